@@ -1,0 +1,80 @@
+"""LeaseTable: the prefill side's store of prompt KV awaiting pickup.
+
+Each entry is freed by ``release`` (decode acknowledged, or a cancel) or when
+its lease runs out; a daemon thread reaps expired entries every ``reap_interval_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _Lease:
+    kv: torch.Tensor  # [num_layers, 2, kv_heads, tokens, head_dim]
+    expires_at: float  # time.monotonic() seconds
+
+
+class LeaseTable:
+    def __init__(self, reap_interval_s: float = 0.5):
+        self._leases: dict[str, _Lease] = {}
+        self._lock = threading.Lock()
+        self.num_released = 0
+        self.num_expired = 0
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval_s,), daemon=True, name="kv-lease-reaper")
+        self._reaper.start()
+
+    def hold(self, transfer_id: str, kv: torch.Tensor, lease_s: float) -> None:
+        """Hold ``kv`` for ``lease_s`` seconds. Raises KeyError if the id is already held."""
+        with self._lock:
+            if transfer_id in self._leases:
+                raise KeyError(f"transfer id {transfer_id!r} is already held")
+            self._leases[transfer_id] = _Lease(kv, time.monotonic() + lease_s)
+
+    def get(self, transfer_id: str) -> torch.Tensor | None:
+        """The held KV, or None if unknown, released or expired."""
+        with self._lock:
+            lease = self._leases.get(transfer_id)
+            if lease is None or lease.expires_at <= time.monotonic():
+                return None
+            return lease.kv
+
+    def release(self, transfer_id: str) -> bool:
+        with self._lock:
+            if self._leases.pop(transfer_id, None) is None:
+                return False
+            self.num_released += 1
+            return True
+
+    def reap(self) -> int:
+        """Drop every expired lease; returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [tid for tid, lease in self._leases.items() if lease.expires_at <= now]
+            for tid in expired:
+                del self._leases[tid]
+            self.num_expired += len(expired)
+        return len(expired)
+
+    def _reap_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.reap()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "num_held": len(self._leases),
+                "bytes_held": sum(lease.kv.nbytes for lease in self._leases.values()),
+                "num_released": self.num_released,
+                "num_expired": self.num_expired,
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._leases.clear()

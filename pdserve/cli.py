@@ -1,0 +1,171 @@
+"""The ``pdserve`` command: up, down, generate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pdserve.client import DEFAULT_ENDPOINT, Client
+from pdserve.config import ClusterConfig
+from pdserve.model_loader import cache_root
+
+app = typer.Typer(help="pdserve: disaggregated prefill/decode LLM serving on Ray Serve.", no_args_is_help=True)
+
+STATE_FILE = "cluster-state.json"  # under the cache root: what `up` started
+
+
+def _state_path() -> Path:
+    return cache_root() / STATE_FILE
+
+
+def _read_state() -> dict:
+    try:
+        return json.loads(_state_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _ray_cli() -> str:
+    local = Path(sys.executable).parent / "ray"
+    return str(local) if local.exists() else "ray"
+
+
+def _connect_ray(address: str | None) -> bool:
+    """Join ``address`` (or a running local cluster), else start a local head. True if we started it."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        return False
+    except ConnectionError:
+        pass
+    typer.echo("Starting a local Ray head node ...", err=True)
+    subprocess.run(
+        [_ray_cli(), "start", "--head", "--disable-usage-stats", "--include-dashboard=false", f"--num-cpus={os.cpu_count()}"],
+        check=True, stdout=subprocess.DEVNULL,
+    )
+    ray.init(address="auto", log_to_driver=False)
+    return True
+
+
+def _up(config: Path | None, address: str | None) -> str:
+    from pdserve.deploy import deploy
+    from pdserve.model_loader import resolve_model_dir
+
+    cfg = ClusterConfig.load(config)
+    typer.echo(f"Preparing model {cfg.model.path!r} (a GGUF is converted once into {cache_root()}) ...", err=True)
+    model_dir = resolve_model_dir(cfg.model.path)
+    typer.echo(f"Model ready at {model_dir}", err=True)
+    started_ray = _connect_ray(address or cfg.ray.address) or _read_state().get("started_ray", False)
+    typer.echo("Deploying router, prefill and decode pools (each replica loads the model) ...", err=True)
+    start = time.perf_counter()
+    deploy(cfg)
+    endpoint = f"127.0.0.1:{cfg.router.grpc_port}"
+    _state_path().parent.mkdir(parents=True, exist_ok=True)
+    _state_path().write_text(json.dumps({"endpoint": endpoint, "started_ray": started_ray}))
+    typer.echo(f"Deployed in {time.perf_counter() - start:.1f}s.", err=True)
+    return endpoint
+
+
+@app.command()
+def up(
+    config: Optional[Path] = typer.Argument(None, help="cluster.yaml; default: the embedded default"),
+    address: Optional[str] = typer.Option(None, help="Ray cluster to join (overrides ray.address)"),
+):
+    """Start Ray (or join a cluster), deploy the pools and router, print the endpoint."""
+    endpoint = _up(config, address)
+    typer.echo(f"pdserve is up. gRPC endpoint: {endpoint}  (HTTP proxy: Ray Serve's port from cluster.yaml)")
+
+
+@app.command()
+def down():
+    """Stop the pdserve app, and the local Ray head if `pdserve up` started it."""
+    import ray
+    from ray import serve
+
+    state = _read_state()
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        serve.shutdown()
+        ray.shutdown()
+    except ConnectionError:
+        typer.echo("No running Ray cluster found.", err=True)
+    if state.get("started_ray"):
+        subprocess.run([_ray_cli(), "stop"], check=False, stdout=subprocess.DEVNULL)
+    _state_path().unlink(missing_ok=True)
+    typer.echo("pdserve is down.")
+
+
+def _healthy(endpoint: str) -> bool:
+    import grpc
+
+    with Client(endpoint) as client:
+        try:
+            client.health(timeout_s=3)
+            return True
+        except grpc.RpcError:
+            return False
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="user message (chat template applied) or, with --raw, plain text"),
+    endpoint: Optional[str] = typer.Option(None, help="router gRPC address; default: the one `up` printed"),
+    max_tokens: int = typer.Option(128, help="tokens to generate"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    seed: Optional[int] = typer.Option(None),
+    raw: bool = typer.Option(False, help="send the prompt as plain text, without the chat template"),
+    local: bool = typer.Option(False, help="bring up the embedded default if nothing is running"),
+    config: Optional[Path] = typer.Option(None, help="cluster.yaml used by --local"),
+):
+    """Stream an answer, then print TTFT, TPOT and token counts."""
+    import grpc
+
+    endpoint = endpoint or _read_state().get("endpoint", DEFAULT_ENDPOINT)
+    if local and not _healthy(endpoint):
+        endpoint = _up(config, None)
+    params = {"max_tokens": max_tokens, "temperature": temperature}
+    if seed is not None:
+        params["seed"] = seed
+    request = {"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]}
+    start = time.perf_counter()
+    first_at = last_at = None
+    num_tokens, finish, num_prompt = 0, "", 0
+    try:
+        with Client(endpoint) as client:
+            for chunk in client.stream(**request, **params):
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    first_at = first_at or now
+                    last_at = now
+                num_tokens += len(chunk.token_ids)
+                finish, num_prompt = chunk.finish_reason or finish, chunk.prompt_tokens
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except grpc.RpcError as e:
+        typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            typer.echo("Is pdserve running? Start it with `pdserve up`, or use --local.", err=True)
+        raise typer.Exit(1)
+    sys.stdout.write("\n")
+    ttft = f"{(first_at - start) * 1e3:.0f} ms" if first_at else "n/a"
+    tpot = f"{(last_at - first_at) / (num_tokens - 1) * 1e3:.1f} ms" if num_tokens > 1 else "n/a"
+    typer.echo(
+        f"[TTFT {ttft} | TPOT {tpot} | prompt {num_prompt} tokens | output {num_tokens} tokens | finish {finish}]",
+        err=True,
+    )
+
+
+if __name__ == "__main__":
+    app()

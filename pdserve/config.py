@@ -1,0 +1,113 @@
+"""Cluster configuration: the typed form of ``cluster.yaml``.
+
+Every section is a dataclass; unknown keys raise ``ConfigError`` naming the key,
+so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A cluster.yaml value is missing, unknown or out of range."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "smollm2"
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None  # tokens; None = the model's context
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None
+
+
+@dataclass
+class RouterConfig:
+    grpc_port: int = 9000
+    http_port: int = 8000
+    num_replicas: int = 1
+    ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+
+
+def _default_autoscaling(target: int) -> dict[str, Any]:
+    return {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": target}
+
+
+@dataclass
+class PoolConfig:
+    """One worker pool (prefill or decode): a Ray Serve deployment."""
+
+    autoscaling_config: dict[str, Any] = field(default_factory=lambda: _default_autoscaling(2))
+    max_ongoing_requests: int = 8
+    ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 1})
+    kv_lease_s: float = 30.0  # prefill only: seconds a prompt's KV is held for decode
+
+
+@dataclass
+class KVTransferConfig:
+    backend: str = "grpc"
+    bind_host: str | None = None  # None = this node's IP
+    chunk_bytes: int = 1 << 20  # bytes of key+value per streamed chunk
+    timeout_s: float = 30.0  # seconds for one whole fetch
+
+
+@dataclass
+class ClusterConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(
+        default_factory=lambda: PoolConfig(
+            autoscaling_config=_default_autoscaling(16), max_ongoing_requests=64
+        )
+    )
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> "ClusterConfig":
+        """Build from a parsed YAML mapping. Raises ConfigError on unknown keys or bad values."""
+        cfg = cls()
+        for section, values in (raw or {}).items():
+            if section not in {f.name for f in dataclasses.fields(cls)}:
+                raise ConfigError(f"cluster.yaml: unknown section {section!r}")
+            target = getattr(cfg, section)
+            known = {f.name for f in dataclasses.fields(target)}
+            for key, value in (values or {}).items():
+                if key not in known:
+                    raise ConfigError(f"cluster.yaml: unknown key {section}.{key}")
+                if isinstance(getattr(target, key), dict) and value is None:
+                    value = {}
+                setattr(target, key, value)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "ClusterConfig":
+        """Read a cluster.yaml; ``None`` gives the embedded default."""
+        if path is None:
+            return cls()
+        with open(path) as f:
+            return cls.from_dict(yaml.safe_load(f))
+
+    def validate(self) -> None:
+        if self.model.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
+        if self.kv_transfer.backend != "grpc":
+            raise ConfigError(f"kv_transfer.backend {self.kv_transfer.backend!r} is not available; use 'grpc'")
+        if self.kv_transfer.chunk_bytes < 1024:
+            raise ConfigError("kv_transfer.chunk_bytes must be at least 1024")
+        if self.prefill.kv_lease_s <= 0:
+            raise ConfigError("prefill.kv_lease_s must be > 0 seconds")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

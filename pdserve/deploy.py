@@ -1,0 +1,55 @@
+"""Build and run the Ray Serve application from a ClusterConfig.
+
+Three deployments: ``prefill`` and ``decode`` (each its own replicas,
+resources and autoscaling from cluster.yaml) and the ``router`` ingress,
+reached through Ray Serve's gRPC proxy.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.config import gRPCOptions
+
+from pdserve.config import ClusterConfig, PoolConfig
+
+APP_NAME = "pdserve"
+GRPC_SERVICERS = ["pdserve.rpc.generate_pb2_grpc.add_GeneratorServicer_to_server"]
+
+
+def _pool_options(name: str, pool: PoolConfig) -> dict:
+    return {
+        "name": name,
+        "autoscaling_config": dict(pool.autoscaling_config),
+        "max_ongoing_requests": pool.max_ongoing_requests,
+        "ray_actor_options": dict(pool.ray_actor_options),
+    }
+
+
+def build_app(cfg: ClusterConfig) -> serve.Application:
+    from decode_worker import DecodeServer
+    from prefill_worker import PrefillServer
+    from router import Router
+
+    config = cfg.to_dict()
+    prefill = serve.deployment(PrefillServer).options(**_pool_options("prefill", cfg.prefill)).bind(config)
+    decode = serve.deployment(DecodeServer).options(**_pool_options("decode", cfg.decode)).bind(config)
+    router = serve.deployment(Router).options(
+        name="router",
+        num_replicas=cfg.router.num_replicas,
+        ray_actor_options=dict(cfg.router.ray_actor_options),
+    )
+    return router.bind(prefill, decode, config)
+
+
+def start_serve(cfg: ClusterConfig, host: str = "127.0.0.1") -> None:
+    """Start Ray Serve's proxies (HTTP and gRPC) on the configured ports."""
+    serve.start(
+        http_options={"host": host, "port": cfg.router.http_port},
+        grpc_options=gRPCOptions(port=cfg.router.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+    )
+
+
+def deploy(cfg: ClusterConfig, host: str = "127.0.0.1") -> None:
+    """Deploy (or update) the pdserve app on the connected Ray cluster; returns once it is running."""
+    start_serve(cfg, host)
+    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)

