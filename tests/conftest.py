@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random-weight models for unit tests, the real model for end-to-end tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_model(family: str, seed: int = 0):
+    """A tiny random-weight causal LM (float32) of the given family: "llama" or "qwen2"."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**common)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def reference_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy ``model.generate`` output ids (prompt excluded), the single-process reference."""
+    input_ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+        max_new_tokens=max_new_tokens, pad_token_id=model.config.pad_token_id,
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    from pdserve.model_loader import resolve_model_dir
+
+    return resolve_model_dir("smollm2")

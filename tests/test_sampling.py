@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from pdserve.errors import InvalidRequestError
+from pdserve.sampling import SamplingParams, finish_reason, sample
+
+
+@pytest.mark.parametrize(
+    "params, prompt_len, message",
+    [
+        (SamplingParams(), 0, "prompt is empty"),
+        (SamplingParams(max_tokens=0), 5, "max_tokens must be >= 1"),
+        (SamplingParams(max_tokens=100), 8100, "exceeds the model's context of 8192"),
+        (SamplingParams(temperature=-0.5), 5, "temperature must be >= 0"),
+        (SamplingParams(top_p=0.0), 5, "top_p"),
+        (SamplingParams(seed=-1), 5, "seed"),
+    ],
+)
+def test_validate_names_the_problem(params, prompt_len, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        params.validate(prompt_len, 8192)
+
+
+def test_validate_accepts_the_exact_context():
+    SamplingParams(max_tokens=92).validate(8100, 8192)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    assert sample(logits, SamplingParams(), position=0) == 1
+
+
+def test_seeded_sampling_depends_only_on_seed_and_position():
+    logits = torch.randn(1000)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    a = [sample(logits, params, position=p) for p in range(20)]
+    b = [sample(logits, params, position=p) for p in range(20)]
+    assert a == b
+    assert len(set(a)) > 1  # positions give different draws
+    c = [sample(logits, SamplingParams(temperature=1.0, seed=99), position=p) for p in range(20)]
+    assert a != c
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = torch.randn(500)
+    best = int(logits.argmax())
+    for p in range(10):
+        assert sample(logits, SamplingParams(temperature=1.0, top_k=1), position=p) == best
+        assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-6), position=p) == best
+
+
+def test_finish_reason():
+    eos = frozenset({2})
+    assert finish_reason(2, 1, SamplingParams(max_tokens=5), eos) == "stop"
+    assert finish_reason(2, 1, SamplingParams(max_tokens=5, ignore_eos=True), eos) is None
+    assert finish_reason(7, 1, SamplingParams(max_tokens=5, stop_token_ids=(7,)), eos) == "stop"
+    assert finish_reason(7, 5, SamplingParams(max_tokens=5), eos) == "length"
+    assert finish_reason(7, 4, SamplingParams(max_tokens=5), eos) is None
