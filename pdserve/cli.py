@@ -18,6 +18,7 @@ from pdserve.model_loader import cache_root
 
 app = typer.Typer(help="pdserve: disaggregated prefill/decode LLM serving on Ray Serve.", no_args_is_help=True)
 
+MODEL_HELP = "model to serve (overrides model.path): 'smollm2', a Hugging Face model directory or a .gguf path"
 STATE_FILE = "cluster-state.json"  # under the cache root: what `up` started
 
 
@@ -59,11 +60,13 @@ def _connect_ray(address: str | None) -> bool:
     return True
 
 
-def _up(config: Path | None, address: str | None) -> str:
+def _up(config: Path | None, address: str | None, model: str | None = None) -> str:
     from pdserve.deploy import deploy
     from pdserve.model_loader import resolve_model_dir
 
     cfg = ClusterConfig.load(config)
+    if model:
+        cfg.model.path = model
     typer.echo(f"Preparing model {cfg.model.path!r} (a GGUF is converted once into {cache_root()}) ...", err=True)
     model_dir = resolve_model_dir(cfg.model.path)
     typer.echo(f"Model ready at {model_dir}", err=True)
@@ -82,9 +85,10 @@ def _up(config: Path | None, address: str | None) -> str:
 def up(
     config: Optional[Path] = typer.Argument(None, help="cluster.yaml; default: the embedded default"),
     address: Optional[str] = typer.Option(None, help="Ray cluster to join (overrides ray.address)"),
+    model: Optional[str] = typer.Option(None, help=MODEL_HELP),
 ):
     """Start Ray (or join a cluster), deploy the pools and router, print the endpoint."""
-    endpoint = _up(config, address)
+    endpoint = _up(config, address, model)
     typer.echo(f"pdserve is up. gRPC endpoint: {endpoint}  (HTTP proxy: Ray Serve's port from cluster.yaml)")
 
 
@@ -128,13 +132,14 @@ def generate(
     raw: bool = typer.Option(False, help="send the prompt as plain text, without the chat template"),
     local: bool = typer.Option(False, help="bring up the embedded default if nothing is running"),
     config: Optional[Path] = typer.Option(None, help="cluster.yaml used by --local"),
+    model: Optional[str] = typer.Option(None, help=MODEL_HELP + "; used by --local"),
 ):
     """Stream an answer, then print TTFT, TPOT and token counts."""
     import grpc
 
     endpoint = endpoint or _read_state().get("endpoint", DEFAULT_ENDPOINT)
     if local and not _healthy(endpoint):
-        endpoint = _up(config, None)
+        endpoint = _up(config, None, model)
     params = {"max_tokens": max_tokens, "temperature": temperature}
     if seed is not None:
         params["seed"] = seed

@@ -48,7 +48,9 @@ class PoolConfig:
 
     autoscaling_config: dict[str, Any] = field(default_factory=lambda: _default_autoscaling(2))
     max_ongoing_requests: int = 8
-    ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 1})
+    ray_actor_options: dict[str, Any] = field(
+        default_factory=lambda: {"num_cpus": 1, "num_gpus": 0, "resources": {}}
+    )
     kv_lease_s: float = 30.0  # prefill only: seconds a prompt's KV is held for decode
 
 
