@@ -1,4 +1,10 @@
-"""The connector interface, split by role: a sender (prefill) and a receiver (decode)."""
+"""The connector interface, split by role: a sender (prefill) and a receiver (decode).
+
+KV moves per (layer, token range) in token-major layout: ``k, v: [num_tokens,
+kv_heads, head_dim]``, the layout of a paged pool's slots. A ``KVSource`` is what a
+sender reads from (the prefill worker's blocks), a ``KVSink`` what a receiver writes
+into (the decode worker's blocks), so KV goes straight from pool to pool.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.kv_layout import KVSpec
 
 
 @dataclass(frozen=True)
@@ -18,19 +26,68 @@ class KVHandle:
     num_tokens: int  # prompt tokens covered by the KV
 
 
+class KVSource(ABC):
+    """KV held for a transfer."""
+
+    spec: KVSpec
+    num_tokens: int
+
+    @abstractmethod
+    def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of tokens [start, end) of ``layer``: each [end - start, kv_heads, head_dim]."""
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Called once when the transfer is acknowledged, cancelled or its lease expires."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_tokens * self.spec.bytes_per_token
+
+
+class KVSink(ABC):
+    """Where received KV goes."""
+
+    spec: KVSpec
+
+    @abstractmethod
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v: [n, kv_heads, head_dim]`` as tokens [start, start + n) of ``layer``."""
+
+
+class TensorKVSource(KVSource):
+    """A contiguous ``kv: [num_layers, 2, num_tokens, kv_heads, head_dim]`` (tests, tools)."""
+
+    def __init__(self, kv: torch.Tensor):
+        self.kv = kv
+        self.num_tokens = kv.shape[2]
+        self.spec = KVSpec(kv.shape[0], kv.shape[3], kv.shape[4], kv.dtype)
+
+    def read(self, layer, start, end):
+        return self.kv[layer, 0, start:end], self.kv[layer, 1, start:end]
+
+
+class TensorKVSink(KVSink):
+    """Receives into a new ``kv: [num_layers, 2, num_tokens, kv_heads, head_dim]``."""
+
+    def __init__(self, spec: KVSpec, num_tokens: int):
+        self.spec = spec
+        self.kv = torch.empty((spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+
+    def write(self, layer, start, k, v):
+        self.kv[layer, 0, start : start + k.shape[0]] = k
+        self.kv[layer, 1, start : start + v.shape[0]] = v
+
+
 class KVSender(ABC):
     """Prefill side: holds each prompt's KV under a lease until acknowledged or expired."""
 
     @abstractmethod
-    def put(self, transfer_id: str, kv: torch.Tensor, lease_s: float) -> KVHandle:
-        """Hold ``kv: [num_layers, 2, kv_heads, tokens, head_dim]`` for at most ``lease_s`` seconds."""
+    def put(self, transfer_id: str, source: KVSource, lease_s: float) -> KVHandle:
+        """Hold ``source`` for at most ``lease_s`` seconds. Raises KeyError for a duplicate id."""
 
     @abstractmethod
     def release(self, transfer_id: str) -> bool:
-        """Free the KV now (decode confirmed receipt or the request was cancelled).
-
-        Returns False if it was already gone.
-        """
+        """Free the KV now (decode confirmed receipt, or a cancel). False if already gone."""
 
     @abstractmethod
     def stats(self) -> dict[str, int]:
@@ -41,11 +98,11 @@ class KVSender(ABC):
 
 
 class KVReceiver(ABC):
-    """Decode side: fetches KV named by a handle and acknowledges it."""
+    """Decode side: fetches KV named by a handle into a sink, then acknowledges it."""
 
     @abstractmethod
-    def fetch(self, handle: KVHandle, timeout_s: float) -> torch.Tensor:
-        """Return ``kv: [num_layers, 2, kv_heads, handle.num_tokens, head_dim]``.
+    def fetch(self, handle: KVHandle, sink: KVSink, timeout_s: float) -> None:
+        """Write all ``handle.num_tokens`` tokens of every layer into ``sink``.
 
         Raises KVNotFoundError if the sender no longer holds it, KVTransferError
         on a timeout, a broken stream, a checksum or a layout mismatch.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from kv_transfer.base import KVReceiver, KVSender
 from pdserve.config import KVTransferConfig
-from pdserve.kv_layout import KVSpec
 
 
 def make_sender(cfg: KVTransferConfig, node_ip: str) -> KVSender:
@@ -16,10 +15,10 @@ def make_sender(cfg: KVTransferConfig, node_ip: str) -> KVSender:
     raise ValueError(f"unknown KV transfer backend {cfg.backend!r}")
 
 
-def make_receiver(cfg: KVTransferConfig, spec: KVSpec) -> KVReceiver:
+def make_receiver(cfg: KVTransferConfig) -> KVReceiver:
     """Raises ValueError for an unknown backend."""
     if cfg.backend == "grpc":
         from kv_transfer.grpc_backend import GrpcKVReceiver
 
-        return GrpcKVReceiver(spec)
+        return GrpcKVReceiver()
     raise ValueError(f"unknown KV transfer backend {cfg.backend!r}")

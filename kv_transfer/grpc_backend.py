@@ -15,7 +15,7 @@ from concurrent import futures
 import grpc
 import torch
 
-from kv_transfer.base import KVHandle, KVReceiver, KVSender
+from kv_transfer.base import KVHandle, KVReceiver, KVSender, KVSink, KVSource
 from kv_transfer.lease import LeaseTable
 from pdserve.errors import KVNotFoundError, KVTransferError
 from pdserve.kv_layout import KVSpec
@@ -31,28 +31,28 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def iter_chunks(transfer_id: str, kv: torch.Tensor, chunk_bytes: int):
-    """Yield the FetchKV stream for ``kv: [num_layers, 2, kv_heads, tokens, head_dim]``."""
-    num_layers, _, num_kv_heads, num_tokens, head_dim = kv.shape
-    bytes_per_layer_token = 2 * num_kv_heads * head_dim * kv.element_size()
+def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int):
+    """Yield the FetchKV stream of ``source``: a header, then per layer chunks of at most ``chunk_bytes``."""
+    spec, num_tokens = source.spec, source.num_tokens
+    bytes_per_layer_token = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
     tokens_per_chunk = max(1, chunk_bytes // bytes_per_layer_token)
     starts = range(0, num_tokens, tokens_per_chunk)
     yield kv_pb2.FetchKVResponse(
         header=kv_pb2.KVHeader(
             transfer_id=transfer_id,
-            dtype=str(kv.dtype).removeprefix("torch."),
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
             num_tokens=num_tokens,
-            num_chunks=num_layers * len(starts),
+            num_chunks=spec.num_layers * len(starts),
         )
     )
-    for layer in range(num_layers):
+    for layer in range(spec.num_layers):
         for start in starts:
             end = min(start + tokens_per_chunk, num_tokens)
-            key = _to_bytes(kv[layer, 0, :, start:end])  # [kv_heads, n, head_dim]
-            value = _to_bytes(kv[layer, 1, :, start:end])
+            k, v = source.read(layer, start, end)  # each [n, kv_heads, head_dim]
+            key, value = _to_bytes(k), _to_bytes(v)
             yield kv_pb2.FetchKVResponse(
                 chunk=kv_pb2.KVChunk(
                     layer=layer, start_token=start, num_tokens=end - start,
@@ -67,10 +67,10 @@ class _KVServicer(kv_pb2_grpc.KVTransferServicer):
         self.chunk_bytes = chunk_bytes
 
     def FetchKV(self, request, context):
-        kv = self.table.get(request.transfer_id)
-        if kv is None:
+        source = self.table.get(request.transfer_id)
+        if source is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no KV held for transfer {request.transfer_id!r} (released or lease expired)")
-        yield from iter_chunks(request.transfer_id, kv, self.chunk_bytes)
+        yield from iter_chunks(request.transfer_id, source, self.chunk_bytes)
 
     def ReleaseKV(self, request, context):
         return kv_pb2.ReleaseKVResponse(released=self.table.release(request.transfer_id))
@@ -92,9 +92,9 @@ class GrpcKVSender(KVSender):
         self.address = f"{bind_host}:{port}"
         self._server.start()
 
-    def put(self, transfer_id: str, kv: torch.Tensor, lease_s: float) -> KVHandle:
-        self.table.hold(transfer_id, kv, lease_s)
-        return KVHandle("grpc", self.address, transfer_id, kv.shape[3])
+    def put(self, transfer_id: str, source: KVSource, lease_s: float) -> KVHandle:
+        self.table.hold(transfer_id, source, lease_s)
+        return KVHandle("grpc", self.address, transfer_id, source.num_tokens)
 
     def release(self, transfer_id: str) -> bool:
         return self.table.release(transfer_id)
@@ -108,10 +108,9 @@ class GrpcKVSender(KVSender):
 
 
 class GrpcKVReceiver(KVReceiver):
-    """Fetches KV over gRPC into a tensor laid out per ``spec``; one channel per sender."""
+    """Fetches KV over gRPC into a KVSink; one channel per sender."""
 
-    def __init__(self, spec: KVSpec):
-        self.spec = spec
+    def __init__(self):
         self._stubs: dict[str, kv_pb2_grpc.KVTransferStub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
@@ -124,12 +123,13 @@ class GrpcKVReceiver(KVReceiver):
                 self._stubs[address] = kv_pb2_grpc.KVTransferStub(channel)
             return self._stubs[address]
 
-    def _check_header(self, header, handle: KVHandle) -> None:
+    @staticmethod
+    def _check_header(header, handle: KVHandle, spec: KVSpec) -> None:
         expected = {
-            "dtype": str(self.spec.dtype).removeprefix("torch."),
-            "num_layers": self.spec.num_layers,
-            "num_kv_heads": self.spec.num_kv_heads,
-            "head_dim": self.spec.head_dim,
+            "dtype": str(spec.dtype).removeprefix("torch."),
+            "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
             "num_tokens": handle.num_tokens,
         }
         for name, want in expected.items():
@@ -137,33 +137,34 @@ class GrpcKVReceiver(KVReceiver):
             if got != want:
                 raise KVTransferError(f"KV from {handle.address} has {name}={got}, this decode worker needs {want}")
 
-    def fetch(self, handle: KVHandle, timeout_s: float) -> torch.Tensor:
+    def fetch(self, handle: KVHandle, sink: KVSink, timeout_s: float) -> None:
+        spec = sink.spec
         stream = self._stub(handle.address).FetchKV(kv_pb2.FetchKVRequest(transfer_id=handle.transfer_id), timeout=timeout_s)
         try:
             first = next(stream)
             if not first.HasField("header"):
                 raise KVTransferError("KV stream did not start with a header")
             header = first.header
-            self._check_header(header, handle)
-            kv = torch.empty(self.spec.shape(handle.num_tokens), dtype=self.spec.dtype)
+            self._check_header(header, handle, spec)
+            row_bytes = spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize  # one token of one layer, k or v
             num_chunks = 0
             for msg in stream:
                 chunk = msg.chunk
                 if zlib.crc32(chunk.value, zlib.crc32(chunk.key)) != chunk.crc32:
                     raise KVTransferError(f"KV chunk (layer {chunk.layer}, token {chunk.start_token}) failed its checksum")
                 end = chunk.start_token + chunk.num_tokens
-                if chunk.layer >= self.spec.num_layers or end > handle.num_tokens:
+                if chunk.layer >= spec.num_layers or end > handle.num_tokens:
                     raise KVTransferError(f"KV chunk (layer {chunk.layer}, tokens {chunk.start_token}:{end}) is out of range")
-                for i, payload in ((0, chunk.key), (1, chunk.value)):
-                    dst = kv[chunk.layer, i, :, chunk.start_token:end]  # [kv_heads, n, head_dim]
-                    src = torch.frombuffer(payload, dtype=torch.uint8)
-                    if src.numel() != dst.numel() * dst.element_size():
-                        raise KVTransferError(f"KV chunk (layer {chunk.layer}) has {src.numel()} bytes, expected {dst.numel() * dst.element_size()}")
-                    dst.copy_(src.view(self.spec.dtype).view(dst.shape))
+                expected = chunk.num_tokens * row_bytes
+                if len(chunk.key) != expected or len(chunk.value) != expected:
+                    raise KVTransferError(f"KV chunk (layer {chunk.layer}) has {len(chunk.key)} bytes, expected {expected}")
+                shape = (chunk.num_tokens, spec.num_kv_heads, spec.head_dim)
+                k = torch.frombuffer(chunk.key, dtype=spec.dtype).view(shape)  # [n, kv_heads, head_dim]
+                v = torch.frombuffer(chunk.value, dtype=spec.dtype).view(shape)
+                sink.write(chunk.layer, chunk.start_token, k, v)
                 num_chunks += 1
             if num_chunks != header.num_chunks:
                 raise KVTransferError(f"KV stream ended after {num_chunks} of {header.num_chunks} chunks")
-            return kv
         except StopIteration:
             raise KVTransferError("KV stream ended before its header") from None
         except grpc.RpcError as e:

@@ -1,6 +1,6 @@
 """LeaseTable: the prefill side's store of prompt KV awaiting pickup.
 
-Each entry is freed by ``release`` (decode acknowledged, or a cancel) or when
+Each entry (a KVSource) is freed, through ``KVSource.release``, by ``release`` (decode acknowledged, or a cancel) or when
 its lease runs out; a daemon thread reaps expired entries every ``reap_interval_s``.
 """
 
@@ -10,12 +10,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
+from kv_transfer.base import KVSource
 
 
 @dataclass
 class _Lease:
-    kv: torch.Tensor  # [num_layers, 2, kv_heads, tokens, head_dim]
+    source: KVSource
     expires_at: float  # time.monotonic() seconds
 
 
@@ -29,36 +29,39 @@ class LeaseTable:
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval_s,), daemon=True, name="kv-lease-reaper")
         self._reaper.start()
 
-    def hold(self, transfer_id: str, kv: torch.Tensor, lease_s: float) -> None:
-        """Hold ``kv`` for ``lease_s`` seconds. Raises KeyError if the id is already held."""
+    def hold(self, transfer_id: str, source: KVSource, lease_s: float) -> None:
+        """Hold ``source`` for ``lease_s`` seconds. Raises KeyError if the id is already held."""
         with self._lock:
             if transfer_id in self._leases:
                 raise KeyError(f"transfer id {transfer_id!r} is already held")
-            self._leases[transfer_id] = _Lease(kv, time.monotonic() + lease_s)
+            self._leases[transfer_id] = _Lease(source, time.monotonic() + lease_s)
 
-    def get(self, transfer_id: str) -> torch.Tensor | None:
+    def get(self, transfer_id: str) -> KVSource | None:
         """The held KV, or None if unknown, released or expired."""
         with self._lock:
             lease = self._leases.get(transfer_id)
             if lease is None or lease.expires_at <= time.monotonic():
                 return None
-            return lease.kv
+            return lease.source
 
     def release(self, transfer_id: str) -> bool:
         with self._lock:
-            if self._leases.pop(transfer_id, None) is None:
+            lease = self._leases.pop(transfer_id, None)
+            if lease is None:
                 return False
             self.num_released += 1
-            return True
+        lease.source.release()
+        return True
 
     def reap(self) -> int:
         """Drop every expired lease; returns how many."""
         now = time.monotonic()
         with self._lock:
             expired = [tid for tid, lease in self._leases.items() if lease.expires_at <= now]
-            for tid in expired:
-                del self._leases[tid]
+            sources = [self._leases.pop(tid).source for tid in expired]
             self.num_expired += len(expired)
+        for source in sources:
+            source.release()
         return len(expired)
 
     def _reap_loop(self, interval_s: float) -> None:
@@ -69,7 +72,7 @@ class LeaseTable:
         with self._lock:
             return {
                 "num_held": len(self._leases),
-                "bytes_held": sum(lease.kv.nbytes for lease in self._leases.values()),
+                "bytes_held": sum(lease.source.nbytes for lease in self._leases.values()),
                 "num_released": self.num_released,
                 "num_expired": self.num_expired,
             }
@@ -77,4 +80,7 @@ class LeaseTable:
     def close(self) -> None:
         self._stop.set()
         with self._lock:
+            sources = [lease.source for lease in self._leases.values()]
             self._leases.clear()
+        for source in sources:
+            source.release()

@@ -52,6 +52,14 @@ class PoolConfig:
         default_factory=lambda: {"num_cpus": 1, "num_gpus": 0, "resources": {}}
     )
     kv_lease_s: float = 30.0  # prefill only: seconds a prompt's KV is held for decode
+    # the engine (pdserve/engine): paged KV pool and batching
+    block_size: int = 16  # tokens per KV block
+    kv_cache_tokens: int | None = 32768  # KV pool size in tokens ...
+    kv_cache_bytes: int | None = None  # ... or in bytes (takes precedence)
+    max_num_seqs: int = 64  # sequences per forward
+    max_num_batched_tokens: int = 2048  # new tokens per forward
+    chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -110,6 +118,13 @@ class ClusterConfig:
             raise ConfigError("kv_transfer.chunk_bytes must be at least 1024")
         if self.prefill.kv_lease_s <= 0:
             raise ConfigError("prefill.kv_lease_s must be > 0 seconds")
+        for name in ("prefill", "decode"):
+            pool = getattr(self, name)
+            for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "chunk_size"):
+                if not isinstance(getattr(pool, key), int) or getattr(pool, key) < 1:
+                    raise ConfigError(f"{name}.{key} must be a positive integer")
+            if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
+                raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

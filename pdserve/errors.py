@@ -18,3 +18,7 @@ class KVTransferError(PDServeError):
 
 class KVNotFoundError(KVTransferError):
     """The prefill side holds no KV under that transfer id (released or lease expired)."""
+
+
+class CapacityError(PDServeError):
+    """No room right now (KV pool full); retry later (maps to RESOURCE_EXHAUSTED)."""

@@ -1,11 +1,7 @@
-"""KV-cache layout shared by the prefill and decode workers and the transfer layer.
+"""KV-cache shape of one model, shared by both workers, the engine and the transfer layer.
 
-One request's prompt KV travels and is held as a single tensor::
-
-    kv: [num_layers, 2, num_kv_heads, num_tokens, head_dim]   # 2 = (key, value)
-
-which is transformers' per-layer cache layout ``[batch=1, kv_heads, tokens,
-head_dim]`` stacked over layers, with batch dropped.
+Engines keep KV in a paged pool (``pdserve/engine/kv_cache.py``); transfers move
+it per layer in token-major chunks ``[num_tokens, kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -13,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 
 @dataclass(frozen=True)
@@ -36,20 +31,3 @@ class KVSpec:
     def bytes_per_token(self) -> int:
         """Bytes of key + value for one token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-    def shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_kv_heads, num_tokens, self.head_dim)
-
-
-def cache_to_kv(cache: DynamicCache) -> torch.Tensor:
-    """Stack a batch-1 DynamicCache into ``kv: [num_layers, 2, kv_heads, tokens, head_dim]``."""
-    # each layer: keys/values [1, kv_heads, tokens, head_dim]
-    return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
-
-
-def kv_to_cache(kv: torch.Tensor, model_config) -> DynamicCache:
-    """Build a batch-1 DynamicCache holding ``kv: [num_layers, 2, kv_heads, tokens, head_dim]``."""
-    cache = DynamicCache(config=model_config)
-    for layer_idx in range(kv.shape[0]):
-        cache.update(kv[layer_idx, 0].unsqueeze(0), kv[layer_idx, 1].unsqueeze(0), layer_idx)
-    return cache

@@ -13,6 +13,9 @@ import torch
 
 from pdserve.errors import InvalidRequestError
 
+# Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS (1e-5) does.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -52,6 +55,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if self.seed is not None and self.seed < 0:
             raise InvalidRequestError(f"seed must be >= 0, got {self.seed}")
 
@@ -63,7 +68,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     seed, the random stream is keyed by (seed, position), so the choice does
     not depend on batching or on which worker samples it.
     """
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW_TEMPERATURE:  # 0, or so small that logits/T overflows
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
     if params.top_k > 0:

@@ -1,4 +1,4 @@
-"""Start-up shared by the prefill and decode workers: threads, model and runner."""
+"""Start-up shared by the prefill and decode workers: threads, model, engine."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import logging
 
 import torch
 
-from pdserve.config import ClusterConfig
+from pdserve.config import ClusterConfig, ConfigError, PoolConfig
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.kv_layout import KVSpec
 from pdserve.model_loader import load_model, load_tokenizer, resolve_model_dir
-from pdserve.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +40,30 @@ def max_model_len(cfg: ClusterConfig, model_config) -> int:
     return min(cfg.model.max_model_len, limit) if cfg.model.max_model_len else limit
 
 
-def build_runner(cfg: ClusterConfig) -> ModelRunner:
-    """Set torch threads to this actor's CPUs, load the model and wrap it in a ModelRunner."""
+def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str) -> EngineConfig:
+    """Raises ConfigError if the KV pool cannot hold one request of ``max_len`` tokens."""
+    num_blocks = PagedKVCache.num_blocks_for(spec, pool.block_size, pool.kv_cache_tokens, pool.kv_cache_bytes)
+    if num_blocks * pool.block_size < max_len:
+        raise ConfigError(
+            f"{pool_name}: the KV pool holds {num_blocks * pool.block_size} tokens, less than the "
+            f"context of {max_len}; raise kv_cache_tokens/kv_cache_bytes or lower model.max_model_len"
+        )
+    return EngineConfig(
+        num_blocks=num_blocks, block_size=pool.block_size, max_num_seqs=pool.max_num_seqs,
+        max_num_batched_tokens=pool.max_num_batched_tokens, chunk_size=pool.chunk_size,
+        enable_prefix_caching=pool.enable_prefix_caching,
+    )
+
+
+def build_engine(cfg: ClusterConfig, pool_name: str) -> Engine:
+    """Set torch threads to this actor's CPUs, load the model and build its Engine."""
     num_threads = assigned_num_cpus()
     torch.set_num_threads(num_threads)
     model_dir = resolve_model_dir(cfg.model.path)
     model = load_model(model_dir, cfg.model.dtype)
     tokenizer = load_tokenizer(model_dir)
-    log.info("loaded %s (%s) with %d torch threads", model_dir, cfg.model.dtype, num_threads)
-    return ModelRunner(model, eos_token_ids(model, tokenizer), max_model_len(cfg, model.config))
+    max_len = max_model_len(cfg, model.config)
+    spec = KVSpec.from_model_config(model.config, model.dtype)
+    config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name)
+    log.info("%s: %s (%s), %d torch threads, %s", pool_name, model_dir, cfg.model.dtype, num_threads, config)
+    return Engine(model, config, eos_token_ids(model, tokenizer), max_len)

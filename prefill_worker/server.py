@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kv_transfer import make_sender
+from kv_transfer.paged import PagedKVSource
 from pdserve.config import ClusterConfig
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sequence import Sequence
 from pdserve.messages import PrefillRequest, PrefillResult
-from pdserve.sampling import finish_reason, sample
-from pdserve.worker import build_runner
+from pdserve.worker import build_engine
+
+PREFILL_DEADLINE_S = 300.0  # longest a prompt may wait and run before the request fails
 
 
 def _node_ip() -> str:
@@ -21,46 +24,54 @@ def _node_ip() -> str:
 
 
 class PrefillServer:
-    """Runs each prompt forward, samples its first token and leases its KV to decode.
+    """Prefills prompts in batches (chunked, prefix-cached), samples each first token and
+    leases the prompt's KV blocks to decode.
 
-    The KV is served by this replica's KV server (``kv_transfer``) until the
-    decode side releases it or ``prefill.kv_lease_s`` runs out.
+    The KV is served from this replica's blocks by its KV server (``kv_transfer``)
+    until the decode side releases it or ``prefill.kv_lease_s`` runs out.
     """
 
     def __init__(self, config: dict[str, Any]):
         self.cfg = ClusterConfig.from_dict(config)
-        self.runner = build_runner(self.cfg)
+        self.engine = build_engine(self.cfg, "prefill")
+        self.loop = EngineLoop(self.engine)
         self.kv_sender = make_sender(self.cfg.kv_transfer, _node_ip())
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.num_requests = 0
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        """Raises InvalidRequestError for a request that breaks the shared limits."""
-        params = request.params
-        params.validate(len(request.prompt_ids), self.runner.max_model_len)
+        """Raises InvalidRequestError for a request that breaks the shared limits,
+        TimeoutError after PREFILL_DEADLINE_S."""
+        request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
+        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params, stop_after_first_token=True)
         start = time.perf_counter()
-        logits, kv = await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.runner.prefill, request.prompt_ids
-        )
-        prefill_s = time.perf_counter() - start
+        queue = self.loop.submit(seq)
+        try:
+            chunk = await asyncio.wait_for(queue.get(), timeout=PREFILL_DEADLINE_S)
+        except BaseException:
+            self.loop.abort(seq)
+            raise
+        if isinstance(chunk, BaseException):
+            raise chunk
         self.num_requests += 1
-        token = sample(logits, params, position=len(request.prompt_ids))
-        reason = finish_reason(token, 1, params, self.runner.eos_token_ids)
         handle = None
-        if reason is None:  # decode will continue: lease the KV to it
-            handle = self.kv_sender.put(request.request_id, kv, self.cfg.prefill.kv_lease_s)
-        return PrefillResult(request.request_id, token, reason, handle, prefill_s)
+        if chunk.finish_reason is None:  # decode will continue: lease the prompt's blocks to it
+            source = PagedKVSource(self.engine.kv_cache, seq.block_table, seq.num_prompt_tokens, self.engine.free_blocks)
+            handle = self.kv_sender.put(request.request_id, source, self.cfg.prefill.kv_lease_s)
+        return PrefillResult(request.request_id, seq.token_ids[-1], chunk.finish_reason, handle, time.perf_counter() - start)
 
     async def release(self, transfer_id: str) -> bool:
         """Free a request's KV early (the router calls this when a request is cancelled)."""
         return self.kv_sender.release(transfer_id)
 
     async def stats(self) -> dict[str, int]:
-        return {"num_requests": self.num_requests, "num_forwards": self.runner.num_forwards, **self.kv_sender.stats()}
+        return {"num_requests": self.num_requests, **self.engine.stats(), **self.kv_sender.stats()}
 
     def check_health(self) -> None:
-        pass
+        if not self.loop.is_alive():
+            raise RuntimeError("prefill engine thread has stopped")
 
     def __del__(self):
         if hasattr(self, "kv_sender"):
             self.kv_sender.close()
+        if hasattr(self, "loop"):
+            self.loop.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.errors import InvalidRequestError, KVTransferError
+from pdserve.errors import CapacityError, InvalidRequestError, KVTransferError
 
 
 def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -15,6 +15,8 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, _message(exc)
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, _message(exc)
     if isinstance(exc, KVTransferError):
         return grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {_message(exc)}"
     if isinstance(exc, TimeoutError):

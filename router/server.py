@@ -26,6 +26,9 @@ from router.errors import grpc_status_for
 log = logging.getLogger(__name__)
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def served_model_name(cfg: ClusterConfig) -> str:
     return cfg.model.path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
 
@@ -49,37 +52,47 @@ class Router:
         if sum(given) > 1:
             raise InvalidRequestError("set only one of prompt, messages and prompt_token_ids")
         if request.messages:
+            for m in request.messages:
+                if m.role not in CHAT_ROLES:
+                    raise InvalidRequestError(f"message role {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
+            if not any(m.content.strip() for m in request.messages):
+                raise InvalidRequestError("prompt is empty: every message has empty content")
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
         if request.prompt_token_ids:
             ids = list(request.prompt_token_ids)
-            bad = [i for i in ids if i >= self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt_token_ids has {bad[0]}, outside the vocabulary of {self.vocab_size}")
+            self._check_token_ids("prompt_token_ids", ids)
             return ids
         return list(self.tokenizer(request.prompt).input_ids) if request.prompt else []
 
+    def _check_token_ids(self, field: str, ids: list[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{field} has {bad[0]}, outside the vocabulary of {self.vocab_size}")
+
     def _params(self, p: pb.SamplingParams) -> SamplingParams:
-        params = SamplingParams(
+        self._check_token_ids("stop_token_ids", list(p.stop_token_ids))
+        return SamplingParams(
             stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
             **{name: getattr(p, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed") if p.HasField(name)},
         )
-        return params
 
-    def _parse(self, request: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+    def _parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         if request.model and request.model != self.model_name:
             raise InvalidRequestError(f"unknown model {request.model!r}; this cluster serves {self.model_name!r}")
         prompt_ids = self._prompt_ids(request)
         params = self._params(request.params)
         params.validate(len(prompt_ids), self.max_model_len)
-        return request.request_id or uuid.uuid4().hex, prompt_ids, params
+        return prompt_ids, params
 
     # -- gRPC methods ------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            request_id, prompt_ids, params = self._parse(request)
-            async for response in self._generate(request_id, prompt_ids, params):
+            prompt_ids, params = self._parse(request)
+            # Internal ids are always unique; the client's request_id is only echoed back.
+            internal_id = uuid.uuid4().hex
+            async for response in self._generate(internal_id, request.request_id or internal_id, prompt_ids, params):
                 yield response
         except Exception as e:
             code, message = grpc_status_for(e)
@@ -95,7 +108,9 @@ class Router:
 
     # -- the request path -------------------------------------------------------
 
-    async def _generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[pb.GenerateResponse]:
+    async def _generate(
+        self, request_id: str, client_request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[pb.GenerateResponse]:
         detok = IncrementalDetokenizer(self.tokenizer)
         num_prompt, num_generated = len(prompt_ids), 0
 
@@ -104,7 +119,7 @@ class Router:
             num_generated += len(token_ids)
             text = detok.add(token_ids) + (detok.finish() if finish_reason else "")
             return pb.GenerateResponse(
-                request_id=request_id, token_ids=token_ids, text=text, finish_reason=finish_reason or "",
+                request_id=client_request_id, token_ids=token_ids, text=text, finish_reason=finish_reason or "",
                 prompt_tokens=num_prompt, completion_tokens=num_generated,
             )
 

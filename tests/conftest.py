@@ -20,13 +20,19 @@ def tiny_model(family: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def reference_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy ``model.generate`` output ids (prompt excluded), the single-process reference."""
+def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """Greedy ``model.generate`` output ids (prompt excluded), the single-process reference.
+
+    ignore_eos: generate past EOS (as SamplingParams.ignore_eos), for exactly max_new_tokens.
+    """
+    from transformers import GenerationConfig
+
     input_ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-        max_new_tokens=max_new_tokens, pad_token_id=model.config.pad_token_id,
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=model.config.pad_token_id,
+        eos_token_id=[] if ignore_eos else model.generation_config.eos_token_id,
     )
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
     return out[0, len(prompt_ids):].tolist()
 
 

@@ -1,4 +1,7 @@
-"""ModelRunner and DecodeEngine on tiny random-weight models (Llama and Qwen2), against model.generate."""
+"""The shared engine on tiny random-weight models (Llama and Qwen2), against model.generate.
+
+Every test ends by checking that all KV blocks are back in the pool.
+"""
 
 import asyncio
 
@@ -6,104 +9,137 @@ import pytest
 import torch
 
 from conftest import reference_generate, tiny_model
-from decode_worker.engine import DecodeEngine
-from pdserve.messages import TokenChunk
-from pdserve.runner import ModelRunner
-from pdserve.sampling import SamplingParams, sample
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sequence import Sequence
+from pdserve.errors import InvalidRequestError
+from pdserve.sampling import SamplingParams
 
 EOS = frozenset({2})
 
 
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(lengths, seed=0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = [1, 5, 16, 17, 40, 3, 64, 9][:n]
-    return [torch.randint(3, 256, (length,), generator=g).tolist() for length in lengths]
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_to_completion(engine: Engine, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not engine.scheduler.has_work():
+            return
+        engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def assert_all_blocks_free(engine: Engine) -> None:
+    usage = engine.block_manager.usage()
+    assert usage["num_free_blocks"] == usage["num_blocks"], usage
+    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+
+
+def generate_all(engine: Engine, prompts, max_tokens: int) -> list[Sequence]:
+    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.add(seq)
+    run_to_completion(engine)
+    return seqs
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_prefill_then_decode_from_transferred_kv_equals_generate(family):
-    model = tiny_model(family)
-    runner = ModelRunner(model, EOS, 512)
-    for prompt in prompts(6):
-        ref = reference_generate(model, prompt, 12)
-        logits, kv = runner.prefill(prompt)
-        assert kv.shape == runner.kv_spec.shape(len(prompt))
-        cache = runner.cache_from_kv(kv.clone())  # what decode builds from received KV
-        out = [int(logits.argmax())]
-        while len(out) < len(ref):
-            out.append(int(runner.decode(cache, out[-1]).argmax()))
-        assert out == ref
+def test_batched_chunked_prefill_and_decode_equal_generate(family):
+    model, reference = tiny_model(family), tiny_model(family)
+    engine = Engine(model, EngineConfig(num_blocks=128, block_size=4, max_num_batched_tokens=64, chunk_size=16), EOS, 512)
+    prompts = random_prompts([1, 5, 16, 17, 40, 3, 64, 9])
+    seqs = generate_all(engine, prompts, 12)
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.token_ids[len(prompt):] == reference_generate(reference, prompt, 12, ignore_eos=True)
+        assert seq.finish_reason == "length"
+    assert engine.num_steps < 8 * 12  # sequences shared forwards
+    assert_all_blocks_free(engine)
 
 
-async def _collect(queue: asyncio.Queue) -> list[TokenChunk]:
-    chunks = []
-    while True:
-        item = await asyncio.wait_for(queue.get(), timeout=30)
-        assert not isinstance(item, BaseException), item
-        chunks.append(item)
-        if item.finish_reason:
-            return chunks
+def test_preemption_recomputes_and_still_equals_generate():
+    model, reference = tiny_model("llama"), tiny_model("llama")
+    # 20 blocks x 4 tokens = 80 slots for six sequences of up to 70 tokens each.
+    engine = Engine(model, EngineConfig(num_blocks=20, block_size=4, max_num_batched_tokens=64, chunk_size=64), EOS, 512)
+    prompts = random_prompts([30, 25, 40, 33, 20, 28], seed=1)
+    seqs = generate_all(engine, prompts, 30)
+    assert engine.scheduler.num_preemptions > 0
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.token_ids[len(prompt):] == reference_generate(reference, prompt, 30, ignore_eos=True)
+    assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_engine_interleaves_requests_and_matches_generate(family):
-    model = tiny_model(family)
-    runner = ModelRunner(model, EOS, 512)
-    engine = DecodeEngine(runner)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+def test_prefix_cache_hit_is_reused_and_exact():
+    model, reference = tiny_model("qwen2"), tiny_model("qwen2")
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4), EOS, 512)
+    prompt = random_prompts([41])[0]
+    want = reference_generate(reference, prompt, 8, ignore_eos=True)
+    first = generate_all(engine, [prompt], 8)[0]
+    second = generate_all(engine, [prompt], 8)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 40  # 10 full blocks, last token recomputed
+    assert first.token_ids[41:] == want and second.token_ids[41:] == want
+    # a prompt sharing only the first 9 tokens hits the first 2 blocks
+    other = prompt[:9] + random_prompts([20], seed=5)[0]
+    third = generate_all(engine, [other], 4)[0]
+    assert third.num_cached_tokens == 8
+    assert third.token_ids[len(other):] == reference_generate(reference, other, 4, ignore_eos=True)
+    assert_all_blocks_free(engine)
+
+
+def test_prefix_hits_are_verified_against_token_ids():
+    manager = BlockManager(num_blocks=8, block_size=2)
+    seq = Sequence("a", [5, 6, 7, 8, 9], 5, SamplingParams())
+    assert manager.ensure_slots(seq, 5)
+    seq.num_computed_tokens = 5
+    manager.mark_computed(seq, 0)
+    manager.free(seq)
+    # forge a colliding hash: the block registered for [5, 6] now claims other tokens
+    block = manager.blocks[manager.hash_to_block_id[next(iter(manager.hash_to_block_id))]]
+    block.token_ids = (1, 1)
+    again = Sequence("b", [5, 6, 7, 8, 9], 5, SamplingParams())
+    manager.allocate_prefix(again)
+    assert again.num_cached_tokens == 0 and again.block_table == []
+
+
+def test_request_that_can_never_fit_is_refused():
+    engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=4, block_size=4), EOS, 512)
+    with pytest.raises(InvalidRequestError, match="KV pool of 16 tokens"):
+        engine.add(Sequence("big", [3] * 10, 10, SamplingParams(max_tokens=10)))
+
+
+def test_prefill_role_keeps_blocks_for_hand_off():
+    engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=16, block_size=4), EOS, 512)
+    seq = Sequence("p", random_prompts([10])[0], 10, SamplingParams(max_tokens=5, ignore_eos=True), stop_after_first_token=True)
+    engine.add(seq)
+    run_to_completion(engine)
+    assert seq.num_generated == 1 and len(seq.block_table) == 3  # 10 prompt tokens in 3 blocks of 4
+    assert engine.block_manager.num_free_blocks == 13
+    engine.free_blocks(seq.block_table)
+    assert_all_blocks_free(engine)
+
+
+def test_loop_streams_and_abort_frees_blocks():
+    engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=64, block_size=4), EOS, 512)
+    loop = EngineLoop(engine)
 
     async def main():
-        queues, refs = [], []
-        for prompt in prompts(8):
-            refs.append(reference_generate(model, prompt, 10))
-            logits, kv = runner.prefill(prompt)
-            first = sample(logits, params, position=len(prompt))
-            queues.append((first, engine.add(f"r{len(queues)}", params, first, kv)))
-        results = await asyncio.gather(*(_collect(q) for _, q in queues))
-        for (first, _), chunks, ref in zip(queues, results, refs):
-            ids = [first] + [t for c in chunks for t in c.token_ids]
-            assert ids == ref
-            assert chunks[-1].finish_reason == "length"
-
-    asyncio.run(main())
-    assert engine.stats() == {"num_running": 0, "num_waiting": 0, "num_steps": 8 * 9, "num_finished": 8, "num_aborted": 0}
-    engine.close()
-
-
-def test_engine_abort_frees_the_request():
-    model = tiny_model("llama")
-    runner = ModelRunner(model, EOS, 512)
-    engine = DecodeEngine(runner)
-
-    async def main():
-        logits, kv = runner.prefill(prompts(1)[0])
-        queue = engine.add("long", SamplingParams(max_tokens=400, ignore_eos=True), int(logits.argmax()), kv)
-        await asyncio.wait_for(queue.get(), timeout=30)
-        engine.abort("long")
-        for _ in range(100):
-            if engine.stats()["num_running"] == 0:
+        short = Sequence("short", random_prompts([7])[0], 7, SamplingParams(max_tokens=5, ignore_eos=True))
+        long = Sequence("long", random_prompts([9], seed=2)[0], 9, SamplingParams(max_tokens=200, ignore_eos=True))
+        short_queue, long_queue = loop.submit(short), loop.submit(long)
+        chunks = []
+        while not chunks or chunks[-1].finish_reason is None:
+            chunks.append(await asyncio.wait_for(short_queue.get(), timeout=30))
+        assert [t for c in chunks for t in c.token_ids] == short.token_ids[7:] and len(short.token_ids) == 12
+        await asyncio.wait_for(long_queue.get(), timeout=30)
+        loop.abort(long)
+        for _ in range(200):
+            if not engine.scheduler.has_work():
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)
 
     asyncio.run(main())
-    stats = engine.stats()
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_aborted"] == 1
-    engine.close()
-
-
-def test_stop_token_is_not_emitted():
-    model = tiny_model("llama")
-    runner = ModelRunner(model, EOS, 512)
-    engine = DecodeEngine(runner)
-    prompt = prompts(1)[0]
-    ref = reference_generate(model, prompt, 6)
-
-    async def main():
-        logits, kv = runner.prefill(prompt)
-        params = SamplingParams(max_tokens=20, stop_token_ids=(ref[3],), ignore_eos=True)
-        return await _collect(engine.add("s", params, ref[0], kv))
-
-    chunks = asyncio.run(main())
-    ids = [ref[0]] + [t for c in chunks for t in c.token_ids]
-    assert ids == ref[: ref.index(ref[3])] and chunks[-1].finish_reason == "stop"
-    engine.close()
+    loop.close()
+    assert not engine.scheduler.has_work()
+    assert_all_blocks_free(engine)

@@ -7,6 +7,7 @@ import grpc
 import pytest
 import torch
 
+from kv_transfer.base import KVHandle, TensorKVSink, TensorKVSource
 from kv_transfer.grpc_backend import GrpcKVReceiver, GrpcKVSender, _KVServicer, iter_chunks
 from kv_transfer.lease import LeaseTable
 from pdserve.errors import KVNotFoundError, KVTransferError
@@ -16,8 +17,16 @@ from pdserve.rpc import kv_pb2_grpc
 SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
-def random_kv(spec: KVSpec, num_tokens: int) -> torch.Tensor:
-    return torch.randn(spec.shape(num_tokens)).to(spec.dtype)
+def random_kv(spec: KVSpec, num_tokens: int) -> TensorKVSource:
+    """kv: [num_layers, 2, num_tokens, kv_heads, head_dim]"""
+    shape = (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
+    return TensorKVSource(torch.randn(shape).to(spec.dtype))
+
+
+def fetch(receiver, handle, spec, timeout_s=10):
+    sink = TensorKVSink(spec, handle.num_tokens)
+    receiver.fetch(handle, sink, timeout_s)
+    return sink.kv
 
 
 @pytest.fixture
@@ -32,17 +41,17 @@ def sender():
 def test_round_trip_is_bit_exact_and_released(dtype, num_tokens):
     spec = KVSpec(3, 2, 8, dtype)
     sender = GrpcKVSender("127.0.0.1", chunk_bytes=1024)  # small chunks: many per layer
-    receiver = GrpcKVReceiver(spec)
+    receiver = GrpcKVReceiver()
     try:
-        kv = random_kv(spec, num_tokens)
-        handle = sender.put("req-1", kv, lease_s=30)
-        got = receiver.fetch(handle, timeout_s=10)
-        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+        source = random_kv(spec, num_tokens)
+        handle = sender.put("req-1", source, lease_s=30)
+        got = fetch(receiver, handle, spec)
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), source.kv.view(torch.uint8))
         assert sender.stats()["num_held"] == 1
         assert receiver.release(handle, timeout_s=5) is True
         assert sender.stats() == {"num_held": 0, "bytes_held": 0, "num_released": 1, "num_expired": 0}
         with pytest.raises(KVNotFoundError):
-            receiver.fetch(handle, timeout_s=5)
+            fetch(receiver, handle, spec)
         assert receiver.release(handle, timeout_s=5) is False
     finally:
         receiver.close()
@@ -50,8 +59,7 @@ def test_round_trip_is_bit_exact_and_released(dtype, num_tokens):
 
 
 def test_chunks_respect_the_byte_budget():
-    kv = random_kv(SPEC, 100)
-    messages = list(iter_chunks("x", kv, chunk_bytes=1024))
+    messages = list(iter_chunks("x", random_kv(SPEC, 100), chunk_bytes=1024))
     header, chunks = messages[0].header, [m.chunk for m in messages[1:]]
     assert header.num_chunks == len(chunks) > SPEC.num_layers
     assert all(len(c.key) + len(c.value) <= 1024 for c in chunks)
@@ -59,20 +67,20 @@ def test_chunks_respect_the_byte_budget():
 
 
 def test_lease_expires_and_frees(sender):
-    receiver = GrpcKVReceiver(SPEC)
+    receiver = GrpcKVReceiver()
     handle = sender.put("req-2", random_kv(SPEC, 5), lease_s=0.2)
     time.sleep(1.0)  # the reaper runs every 0.5 s
     assert sender.stats()["num_held"] == 0 and sender.stats()["num_expired"] == 1
     with pytest.raises(KVNotFoundError, match="released or lease expired"):
-        receiver.fetch(handle, timeout_s=5)
+        fetch(receiver, handle, SPEC)
     receiver.close()
 
 
 def test_lease_table_refuses_a_duplicate_id():
     table = LeaseTable()
-    table.hold("a", torch.zeros(1), 10)
+    table.hold("a", random_kv(SPEC, 1), 10)
     with pytest.raises(KeyError):
-        table.hold("a", torch.zeros(1), 10)
+        table.hold("a", random_kv(SPEC, 1), 10)
     table.close()
 
 
@@ -87,9 +95,9 @@ def test_lease_table_refuses_a_duplicate_id():
 )
 def test_layout_mismatch_names_the_field(sender, field, spec):
     handle = sender.put("req-3", random_kv(SPEC, 4), lease_s=30)
-    receiver = GrpcKVReceiver(spec)
+    receiver = GrpcKVReceiver()
     with pytest.raises(KVTransferError, match=field):
-        receiver.fetch(handle, timeout_s=5)
+        fetch(receiver, handle, spec)
     receiver.close()
 
 
@@ -113,11 +121,9 @@ def test_checksum_failure_is_detected():
     server.start()
     try:
         table.hold("req-4", random_kv(SPEC, 50), 30)
-        from kv_transfer.base import KVHandle
-
-        receiver = GrpcKVReceiver(SPEC)
+        receiver = GrpcKVReceiver()
         with pytest.raises(KVTransferError, match="checksum"):
-            receiver.fetch(KVHandle("grpc", f"127.0.0.1:{port}", "req-4", 50), timeout_s=5)
+            fetch(receiver, KVHandle("grpc", f"127.0.0.1:{port}", "req-4", 50), SPEC)
         receiver.close()
     finally:
         server.stop(None)
@@ -125,9 +131,7 @@ def test_checksum_failure_is_detected():
 
 
 def test_unreachable_sender_is_a_transfer_error():
-    from kv_transfer.base import KVHandle
-
-    receiver = GrpcKVReceiver(SPEC)
+    receiver = GrpcKVReceiver()
     with pytest.raises(KVTransferError, match="UNAVAILABLE|DEADLINE"):
-        receiver.fetch(KVHandle("grpc", "127.0.0.1:1", "nope", 4), timeout_s=2)
+        fetch(receiver, KVHandle("grpc", "127.0.0.1:1", "nope", 4), SPEC, timeout_s=2)
     receiver.close()

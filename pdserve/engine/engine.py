@@ -1,0 +1,111 @@
+"""Engine: one model, its paged KV pool, a scheduler and a runner. Both worker pools use it.
+
+``step()`` runs one forward over everything the scheduler picked and returns the
+sequences that got a new token. A prefill worker's sequences stop after their
+first token and keep their blocks (``stop_after_first_token``) for the KV hand-off;
+a decode worker's sequences arrive with their prompt KV already in their blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.errors import InvalidRequestError
+from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.model_runner import PagedModelRunner
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.kv_layout import KVSpec
+from pdserve.sampling import finish_reason, sample
+
+
+@dataclass
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # sequences per forward
+    max_num_batched_tokens: int = 2048  # new tokens per forward
+    chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
+    enable_prefix_caching: bool = True
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int):
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.kv_spec = KVSpec.from_model_config(model.config, model.dtype)
+        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
+        self.runner = PagedModelRunner(model, self.kv_cache)
+        self.lock = threading.RLock()  # guards the scheduler and block manager
+        self.num_steps = 0
+        self.num_tokens_computed = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence. Raises InvalidRequestError if it could never fit in the KV pool."""
+        max_tokens = seq.num_prompt_tokens + seq.params.max_tokens
+        if self.block_manager.num_blocks_for(max_tokens) > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"{max_tokens} tokens (prompt + max_tokens) exceed this worker's KV pool of "
+                f"{self.block_manager.num_blocks * self.config.block_size} tokens"
+            )
+        with self.lock:
+            self.scheduler.add(seq)
+
+    def reserve(self, num_tokens: int) -> list[int] | None:
+        """Take blocks for ``num_tokens`` incoming tokens (KV in flight); None if the pool is short."""
+        with self.lock:
+            num_blocks = self.block_manager.num_blocks_for(num_tokens)
+            if not self.block_manager.can_allocate(num_blocks):
+                return None
+            return self.block_manager.allocate_blocks(num_blocks)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        with self.lock:
+            self.block_manager.free_blocks(block_ids)
+
+    def abort(self, seq: Sequence) -> None:
+        with self.lock:
+            self.scheduler.finish(seq)
+
+    def step(self) -> list[Sequence]:
+        """One forward. Returns the sequences that got a new token (``token_ids[-1]``);
+        a finished one has ``finish_reason`` set and is out of the scheduler."""
+        with self.lock:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            logits = self.runner.forward(batch)  # [len(batch), vocab]
+            self.num_steps += 1
+            outputs = []
+            for (seq, num_new), row in zip(batch, logits):
+                computed_before = seq.num_computed_tokens
+                seq.num_computed_tokens += num_new
+                self.num_tokens_computed += num_new
+                self.block_manager.mark_computed(seq, computed_before)
+                if seq.num_uncomputed_tokens > 0:  # a prompt chunk; more to come
+                    continue
+                token = sample(row, seq.params, position=seq.num_tokens)
+                seq.token_ids.append(token)
+                seq.finish_reason = finish_reason(token, seq.num_generated, seq.params, self.eos_token_ids)
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq)
+                elif seq.stop_after_first_token:  # prefill: the KV goes to decode
+                    self.scheduler.finish(seq, free_blocks=False)
+                outputs.append(seq)
+            return outputs
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {
+                **self.block_manager.usage(),
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_steps": self.num_steps,
+                "num_tokens_computed": self.num_tokens_computed,
+            }

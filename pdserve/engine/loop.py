@@ -1,0 +1,98 @@
+"""EngineLoop: runs ``Engine.step()`` on its own thread and streams results to asyncio.
+
+Requests are submitted from the replica's event loop; each gets an asyncio.Queue
+of TokenChunk (or an exception). Aborts are queued and applied between steps,
+so the event loop never waits for a forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.messages import TokenChunk
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._outputs: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._aborts: list[Sequence] = []
+        self._lock = threading.Lock()  # guards _aborts
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
+        self._thread.start()
+
+    def submit(self, seq: Sequence) -> asyncio.Queue:
+        """Queue ``seq``; call from the event loop that reads the returned queue.
+
+        Raises InvalidRequestError if the sequence could never fit in the KV pool.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        self._outputs[seq.request_id] = (queue, asyncio.get_running_loop())
+        try:
+            self.engine.add(seq)
+        except Exception:
+            self._outputs.pop(seq.request_id, None)
+            raise
+        self._wake.set()
+        return queue
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request (client gone); its blocks are freed before the next step.
+
+        Also frees the blocks a finished prefill sequence kept for hand-off, so call
+        it only while nobody else (a KV lease) owns them.
+        """
+        self._outputs.pop(seq.request_id, None)
+        with self._lock:
+            self._aborts.append(seq)
+        self._wake.set()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def _emit(self, seq: Sequence, item: TokenChunk | BaseException) -> None:
+        target = self._outputs.get(seq.request_id)
+        if target is not None:
+            queue, loop = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                aborts, self._aborts = self._aborts, []
+            for seq in aborts:
+                if seq.status is not SeqStatus.FINISHED:
+                    self.engine.abort(seq)
+                elif seq.block_table:  # kept for a hand-off that will not happen
+                    self.engine.free_blocks(seq.block_table)
+                    seq.block_table = []
+            if not self.engine.scheduler.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed forward fails the requests in it, not the worker
+                log.exception("engine step failed")
+                for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+                    self.engine.abort(seq)
+                    self._emit(seq, e)
+                    self._outputs.pop(seq.request_id, None)
+                continue
+            for seq in outputs:
+                reason = seq.finish_reason
+                self._emit(seq, TokenChunk([] if reason == "stop" else [seq.token_ids[-1]], reason))
+                if seq.status is SeqStatus.FINISHED:
+                    self._outputs.pop(seq.request_id, None)

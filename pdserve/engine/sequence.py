@@ -1,0 +1,42 @@
+"""Sequence: one request's tokens and KV bookkeeping inside an engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from pdserve.sampling import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = auto()  # not scheduled yet, or preempted (recomputes from scratch)
+    RUNNING = auto()  # holds blocks and is scheduled every step
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    # Prefill workers stop after the first token and keep the KV for hand-off.
+    stop_after_first_token: bool = False
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, found in the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
