@@ -16,7 +16,16 @@ from pdserve.client import DEFAULT_ENDPOINT, Client
 from pdserve.config import ClusterConfig
 from pdserve.model_loader import cache_root
 
-app = typer.Typer(help="pdserve: disaggregated prefill/decode LLM serving on Ray Serve.", no_args_is_help=True)
+app = typer.Typer(
+    help="pdserve: disaggregated prefill/decode LLM serving on Ray Serve.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
 
 MODEL_HELP = "model to serve (overrides model.path): 'smollm2', a Hugging Face model directory or a .gguf path"
 STATE_FILE = "cluster-state.json"  # under the cache root: what `up` started
@@ -60,21 +69,34 @@ def _connect_ray(address: str | None) -> bool:
     return True
 
 
-def _up(config: Path | None, address: str | None, model: str | None = None) -> str:
+def _up(config: Path | None, address: str | None, model: str | None = None, redeploy: bool = False) -> str:
     from pdserve.deploy import deploy
     from pdserve.model_loader import resolve_model_dir
 
-    cfg = ClusterConfig.load(config)
-    if model:
-        cfg.model.path = model
+    from pdserve.config import ConfigError
+    from pdserve.model_loader import ModelNotFoundError
+
+    try:
+        cfg = ClusterConfig.load(config)
+        if model:
+            cfg.model.path = model
+            cfg.validate()
+    except (OSError, ConfigError) as e:
+        raise _fail(str(e))
+    endpoint = f"127.0.0.1:{cfg.router.grpc_port}"
+    if not redeploy and _healthy(endpoint):
+        typer.echo(f"pdserve is already up at {endpoint} (use --redeploy to apply a changed config).", err=True)
+        return endpoint
     typer.echo(f"Preparing model {cfg.model.path!r} (a GGUF is converted once into {cache_root()}) ...", err=True)
-    model_dir = resolve_model_dir(cfg.model.path)
+    try:
+        model_dir = resolve_model_dir(cfg.model.path)
+    except ModelNotFoundError as e:
+        raise _fail(str(e))
     typer.echo(f"Model ready at {model_dir}", err=True)
     started_ray = _connect_ray(address or cfg.ray.address) or _read_state().get("started_ray", False)
     typer.echo("Deploying router, prefill and decode pools (each replica loads the model) ...", err=True)
     start = time.perf_counter()
     deploy(cfg)
-    endpoint = f"127.0.0.1:{cfg.router.grpc_port}"
     _state_path().parent.mkdir(parents=True, exist_ok=True)
     _state_path().write_text(json.dumps({"endpoint": endpoint, "started_ray": started_ray}))
     typer.echo(f"Deployed in {time.perf_counter() - start:.1f}s.", err=True)
@@ -86,10 +108,14 @@ def up(
     config: Optional[Path] = typer.Argument(None, help="cluster.yaml; default: the embedded default"),
     address: Optional[str] = typer.Option(None, help="Ray cluster to join (overrides ray.address)"),
     model: Optional[str] = typer.Option(None, help=MODEL_HELP),
+    redeploy: bool = typer.Option(False, help="redeploy even if pdserve already answers (restarts replicas)"),
 ):
-    """Start Ray (or join a cluster), deploy the pools and router, print the endpoint."""
-    endpoint = _up(config, address, model)
-    typer.echo(f"pdserve is up. gRPC endpoint: {endpoint}  (HTTP proxy: Ray Serve's port from cluster.yaml)")
+    """Start Ray (or join a cluster), deploy the pools and router, print the endpoint.
+
+    If pdserve already answers on the configured port, nothing is restarted.
+    """
+    endpoint = _up(config, address, model, redeploy)
+    typer.echo(f"pdserve is up. gRPC endpoint: {endpoint}")
 
 
 @app.command()

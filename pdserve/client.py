@@ -16,6 +16,7 @@ DEFAULT_ENDPOINT = "127.0.0.1:9000"
 
 @dataclass
 class GenerateResult:
+    request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
@@ -41,11 +42,14 @@ class Client:
         *,
         messages: list[dict[str, str]] | None = None,
         prompt_token_ids: list[int] | None = None,
+        request_id: str = "",
+        model: str = "",
         timeout_s: float | None = 300.0,
         **params,
     ) -> Iterator[pb.GenerateResponse]:
         """Stream GenerateResponse chunks. ``params`` are SamplingParams fields
         (max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos).
+        ``request_id`` is echoed back in every chunk; ``model`` must be "" or the served model.
 
         Raises grpc.RpcError with the server's status (INVALID_ARGUMENT for bad input).
         """
@@ -54,6 +58,8 @@ class Client:
             messages=[pb.ChatMessage(**m) for m in messages or []],
             prompt_token_ids=prompt_token_ids or [],
             params=pb.SamplingParams(**params),
+            request_id=request_id,
+            model=model,
         )
         return self._stub.Generate(request, timeout=timeout_s)
 
@@ -67,6 +73,7 @@ class Client:
             if chunk.token_ids:
                 first_at = first_at or now
                 last_at = now
+            result.request_id = chunk.request_id
             result.token_ids.extend(chunk.token_ids)
             result.text += chunk.text
             result.finish_reason = chunk.finish_reason or result.finish_reason

@@ -130,6 +130,14 @@ def test_first_token_stop_gives_empty_output_and_no_decode_step(cluster, referen
         ({"prompt": "Hello", "max_tokens": 0}, "max_tokens must be >= 1"),
         ({"prompt": "Hello", "max_tokens": 8, "temperature": -1.0}, "temperature must be >= 0"),
         ({"prompt_token_ids": [49152], "max_tokens": 8}, "outside the vocabulary"),
+        ({"prompt_token_ids": [-3, 5], "max_tokens": 8}, "outside the vocabulary"),
+        ({"prompt": "Hello", "max_tokens": -5}, "max_tokens must be >= 1"),
+        ({"prompt": "Hello", "max_tokens": 8, "top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"prompt": "Hello", "max_tokens": 8, "seed": -1}, "seed must be >= 0"),
+        ({"prompt": "Hello", "max_tokens": 8, "stop_token_ids": [10**9]}, "stop_token_ids has 1000000000"),
+        ({"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 8}, "message role 'wizard'"),
+        ({"messages": [{"role": "user", "content": " "}], "max_tokens": 8}, "every message has empty content"),
+        ({"prompt": "Hello", "messages": [{"role": "user", "content": "hi"}]}, "set only one of"),
     ],
 )
 def test_bad_input_is_invalid_argument_and_cluster_keeps_serving(cluster, reference, request_kwargs, message):
@@ -141,6 +149,29 @@ def test_bad_input_is_invalid_argument_and_cluster_keeps_serving(cluster, refere
     prompt = text_prompt(tokenizer, 10)
     want, _ = strip_eos(reference_generate(model, prompt, 4), tokenizer.eos_token_id)
     assert cluster.generate(prompt_token_ids=prompt, max_tokens=4).token_ids == want
+
+
+def test_tiny_temperature_is_greedy(cluster, reference):
+    model, tokenizer = reference
+    prompt = text_prompt(tokenizer, 12)
+    want, _ = strip_eos(reference_generate(model, prompt, 6), tokenizer.eos_token_id)
+    assert cluster.generate(prompt_token_ids=prompt, max_tokens=6, temperature=1e-40).token_ids == want
+
+
+def test_32_concurrent_requests_of_mixed_lengths_equal_reference(cluster, reference):
+    """They share prefill and decode forwards (batched, ragged) and must not change a token."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, tokenizer = reference
+    ids = tokenizer(TEXT * 6).input_ids
+    prompts = [ids[i * 7 : i * 7 + 3 + (i * 37) % 300] for i in range(32)]
+    wants = [strip_eos(reference_generate(model, p, 16), tokenizer.eos_token_id)[0] for p in prompts]
+    with ThreadPoolExecutor(32) as pool:
+        gots = list(pool.map(lambda p: cluster.generate(prompt_token_ids=p, max_tokens=16, request_id="same-id"), prompts))
+    assert [g.token_ids for g in gots] == wants
+    assert all(g.request_id == "same-id" for g in gots)  # echoed; internal ids stay unique
+    stats = pool_stats("decode")
+    assert stats["num_running"] == 0 and stats["num_used_blocks"] == 0
 
 
 def test_unknown_model_is_invalid_argument(cluster):
@@ -163,4 +194,6 @@ def test_nothing_is_left_held_or_running(cluster):
     prefill, decode = pool_stats("prefill"), pool_stats("decode")
     assert prefill["num_held"] == 0 and prefill["bytes_held"] == 0
     assert prefill["num_expired"] == 0  # every lease was acknowledged, none timed out
-    assert decode["num_running"] == 0 and decode["num_waiting"] == 0
+    for stats in (prefill, decode):
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+        assert stats["num_used_blocks"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
