@@ -1,0 +1,1 @@
+"""Benchmarks: run with `bash bench/run.sh` (see README)."""

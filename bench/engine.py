@@ -1,0 +1,194 @@
+"""Engine benchmark: decode step time vs batch size and prefill throughput vs prompt length,
+for pdserve's engine and for HF transformers eager (its default DynamicCache), against the
+hardware limits measured in the same run.
+
+Run: ``bash bench/run.sh`` (or ``python -m bench.engine --help``). Writes a table to stdout,
+and ``bench/out/engine.json`` and ``bench/out/engine.png``.
+
+Roofline for a decode step (memory-bound): bytes read = weight bytes + KV bytes of every
+sequence's context, divided by the measured read bandwidth. Prefill FLOPs: 2 x parameters
+x decoder-layer parameters x tokens + 4 x layers x heads x head_dim x T^2 / 2 (causal attention, QK^T and PV),
+plus the LM head for the last token (Kaplan et al. 2020, sec. 2.1; Chowdhery et al. 2022, app. B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from bench import hardware
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.sequence import Sequence
+from pdserve.model_loader import load_model, resolve_model_dir
+from pdserve.sampling import SamplingParams
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def prefill_flops(model, num_tokens: int) -> float:
+    """Matmul FLOPs of one prompt: layers over all tokens, the LM head over the last one only."""
+    cfg = model.config
+    embedding = model.get_input_embeddings().weight.numel()  # a lookup, not a matmul
+    layer_params = sum(p.numel() for p in model.model.layers.parameters())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * num_tokens**2 / 2
+    return 2 * layer_params * num_tokens + attention + 2 * embedding
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]  # median
+
+
+def pdserve_decode_step(engine: Engine, batch: int, context: int, repeats: int) -> float:
+    """Median seconds of one decode step of ``batch`` sequences with ``context`` tokens of KV each."""
+    seqs = []
+    for i in range(batch):
+        blocks = engine.reserve(context + repeats + 2)
+        tokens = torch.randint(100, 40000, (context + 1,)).tolist()
+        seq = Sequence(f"b{i}", tokens, context, SamplingParams(max_tokens=repeats + 2, ignore_eos=True), num_computed_tokens=context, block_table=blocks)
+        engine.add(seq)
+        seqs.append(seq)
+    step = _timed(engine.step, repeats)
+    for seq in seqs:
+        engine.abort(seq)
+    return step
+
+
+def hf_decode_step(model, batch: int, context: int, repeats: int) -> float:
+    """Median seconds of one HF eager forward of ``batch`` new tokens after ``context`` cached tokens."""
+    spec_layers = model.config.num_hidden_layers
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    shape = (batch, model.config.num_key_value_heads, context, head_dim)
+
+    def step():
+        cache = DynamicCache(config=model.config)
+        for layer in range(spec_layers):
+            cache.update(kv[layer][0], kv[layer][1], layer)
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+
+    kv = [(torch.randn(shape).to(model.dtype), torch.randn(shape).to(model.dtype)) for _ in range(spec_layers)]
+    ids = torch.randint(100, 40000, (batch, 1))
+    # the cache rebuild is excluded: time it alone and subtract
+    rebuild = _timed(lambda: [DynamicCache(config=model.config).update(kv[0][0], kv[0][1], 0) for _ in range(spec_layers)], repeats)
+    with torch.inference_mode():
+        return max(_timed(step, repeats) - rebuild, 1e-9)
+
+
+def pdserve_prefill(engine: Engine, num_tokens: int, repeats: int) -> float:
+    def run():
+        seq = Sequence("p", torch.randint(100, 40000, (num_tokens,)).tolist(), num_tokens, SamplingParams(max_tokens=2), stop_after_first_token=True)
+        engine.add(seq)
+        while engine.scheduler.has_work():
+            engine.step()
+        engine.free_blocks(seq.block_table)
+
+    return _timed(run, repeats)
+
+
+def hf_prefill(model, num_tokens: int, repeats: int) -> float:
+    ids = torch.randint(100, 40000, (1, num_tokens))
+    with torch.inference_mode():
+        return _timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a worker's num_cpus)")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prompt-lengths", default="128,256,512,1024,2048,4096")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    lengths = [int(n) for n in args.prompt_lengths.split(",")]
+
+    hw = hardware.measure()
+    model = load_model(resolve_model_dir(args.model), args.dtype)
+    reference = load_model(resolve_model_dir(args.model), args.dtype)  # plain HF (sdpa), never repatched
+    blocks_per_seq = -(-(args.context + args.repeats + 2) // 16)
+    num_blocks = max(max(batches) * blocks_per_seq, -(-max(lengths) // 16)) + 8
+    engine = Engine(model, EngineConfig(num_blocks=num_blocks, max_num_seqs=max(batches), enable_prefix_caching=False), frozenset(), 8192)
+    bytes_per_token = engine.kv_spec.bytes_per_token
+    weights = weight_bytes(model)
+
+    decode = []
+    for batch in batches:
+        ours = pdserve_decode_step(engine, batch, args.context, args.repeats)
+        hf = hf_decode_step(reference, batch, args.context, args.repeats)
+        roofline = (weights + batch * args.context * bytes_per_token) / hw["mem_read_bytes_per_s"]
+        decode.append({"batch": batch, "pdserve_s": ours, "hf_eager_s": hf, "roofline_s": roofline, "pdserve_over_roofline": ours / roofline})
+        print(f"decode batch {batch:3d}: pdserve {ours * 1e3:7.1f} ms  hf {hf * 1e3:7.1f} ms  roofline {roofline * 1e3:6.1f} ms  ({ours / roofline:.2f}x)", flush=True)
+
+    prefill = []
+    for n in lengths:
+        ours = pdserve_prefill(engine, n, args.repeats)
+        hf = hf_prefill(reference, n, args.repeats)
+        flops = prefill_flops(model, n)
+        peak = hw["matmul_bf16_flops" if args.dtype == "bfloat16" else "matmul_fp32_flops"]
+        prefill.append({
+            "tokens": n, "pdserve_s": ours, "hf_eager_s": hf, "pdserve_tokens_per_s": n / ours, "hf_tokens_per_s": n / hf,
+            "pdserve_flops": flops / ours, "fraction_of_matmul_peak": flops / ours / peak,
+        })
+        print(f"prefill {n:5d} tokens: pdserve {n / ours:7.0f} tok/s ({flops / ours / peak:.0%} of matmul peak)  hf {n / hf:7.0f} tok/s", flush=True)
+
+    by_batch = {d["batch"]: d for d in decode}
+    by_len = {p["tokens"]: p for p in prefill}
+    targets = {
+        "decode_b1_over_roofline": by_batch.get(1, {}).get("pdserve_over_roofline"),
+        "decode_b32_over_b1": by_batch[32]["pdserve_s"] / by_batch[1]["pdserve_s"] if 1 in by_batch and 32 in by_batch else None,
+        "prefill_2048_fraction_of_matmul_peak": by_len.get(2048, {}).get("fraction_of_matmul_peak"),
+    }
+    result = {"model": args.model, "dtype": args.dtype, "context": args.context, "hardware": hw,
+              "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "prefill": prefill, "targets": targets}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "engine.png")
+    print(f"\nhardware: read {hw['mem_read_bytes_per_s'] / 1e9:.1f} GB/s, memcpy {hw['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"matmul fp32 {hw['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {hw['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s ({hw['num_threads']} threads)")
+    print("targets:", json.dumps({k: round(v, 3) if v is not None else None for k, v in targets.items()}))
+    print(f"wrote {out / 'engine.json'} and {out / 'engine.png'}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    d = result["decode"]
+    a.plot([x["batch"] for x in d], [x["pdserve_s"] * 1e3 for x in d], "o-", label="pdserve")
+    a.plot([x["batch"] for x in d], [x["hf_eager_s"] * 1e3 for x in d], "s--", label="HF eager")
+    a.plot([x["batch"] for x in d], [x["roofline_s"] * 1e3 for x in d], "k:", label="roofline (bytes / read BW)")
+    a.set(xscale="log", xlabel="batch size", ylabel="decode step (ms)", title=f"decode, context {result['context']}")
+    a.legend()
+    p = result["prefill"]
+    b.plot([x["tokens"] for x in p], [x["pdserve_tokens_per_s"] for x in p], "o-", label="pdserve")
+    b.plot([x["tokens"] for x in p], [x["hf_tokens_per_s"] for x in p], "s--", label="HF eager")
+    b.set(xscale="log", xlabel="prompt tokens", ylabel="tokens/s", title="prefill")
+    b.legend()
+    fig.suptitle(f"{result['model']} {result['dtype']}, {result['hardware']['num_threads']} thread(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
