@@ -6,7 +6,7 @@ Run: ``bash bench/run.sh`` (or ``python -m bench.engine --help``). Writes a tabl
 and ``bench/out/engine.json`` and ``bench/out/engine.png``.
 
 Roofline for a decode step (memory-bound): bytes read = weight bytes + KV bytes of every
-sequence's context, divided by the measured read bandwidth. Prefill FLOPs: 2 x parameters
+sequence's context, divided by the measured read bandwidth. Prefill FLOPs: 2
 x decoder-layer parameters x tokens + 4 x layers x heads x head_dim x T^2 / 2 (causal attention, QK^T and PV),
 plus the LM head for the last token (Kaplan et al. 2020, sec. 2.1; Chowdhery et al. 2022, app. B).
 """

@@ -143,3 +143,20 @@ def test_loop_streams_and_abort_frees_blocks():
     loop.close()
     assert not engine.scheduler.has_work()
     assert_all_blocks_free(engine)
+
+
+def test_decode_attention_matches_sdpa_with_ragged_mask():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from pdserve.engine.attention import decode_attention
+
+    class Module:
+        num_key_value_groups = 3
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 9, 1, 64), torch.randn(4, 3, 40, 64), torch.randn(4, 3, 40, 64)
+    mask = (torch.arange(40)[None, :] < torch.tensor([40, 13, 1, 27])[:, None]).view(4, 1, 1, 40)
+    want, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.125, is_causal=False)
+    got = decode_attention(q, k, v, mask, 0.125)
+    assert got.shape == want.shape == (4, 1, 9, 64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
