@@ -1,7 +1,7 @@
 """The connector interface, split by role: a sender (prefill) and a receiver (decode).
 
-KV moves per (layer, token range) in token-major layout: ``k, v: [num_tokens,
-kv_heads, head_dim]``, the layout of a paged pool's slots. A ``KVSource`` is what a
+KV moves per (layer, token range) as ``k, v: [kv_heads, num_tokens, head_dim]``,
+the layout of a paged pool's slots (pdserve/engine/kv_cache.py). A ``KVSource`` is what a
 sender reads from (the prefill worker's blocks), a ``KVSink`` what a receiver writes
 into (the decode worker's blocks), so KV goes straight from pool to pool.
 """
@@ -34,7 +34,7 @@ class KVSource(ABC):
 
     @abstractmethod
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of tokens [start, end) of ``layer``: each [end - start, kv_heads, head_dim]."""
+        """(k, v) of tokens [start, end) of ``layer``: each [kv_heads, end - start, head_dim]."""
 
     def release(self) -> None:  # noqa: B027 - optional hook
         """Called once when the transfer is acknowledged, cancelled or its lease expires."""
@@ -51,31 +51,31 @@ class KVSink(ABC):
 
     @abstractmethod
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k, v: [n, kv_heads, head_dim]`` as tokens [start, start + n) of ``layer``."""
+        """Store ``k, v: [kv_heads, n, head_dim]`` as tokens [start, start + n) of ``layer``."""
 
 
 class TensorKVSource(KVSource):
-    """A contiguous ``kv: [num_layers, 2, num_tokens, kv_heads, head_dim]`` (tests, tools)."""
+    """A contiguous ``kv: [num_layers, 2, kv_heads, num_tokens, head_dim]`` (tests, tools)."""
 
     def __init__(self, kv: torch.Tensor):
         self.kv = kv
-        self.num_tokens = kv.shape[2]
-        self.spec = KVSpec(kv.shape[0], kv.shape[3], kv.shape[4], kv.dtype)
+        self.num_tokens = kv.shape[3]
+        self.spec = KVSpec(kv.shape[0], kv.shape[2], kv.shape[4], kv.dtype)
 
     def read(self, layer, start, end):
-        return self.kv[layer, 0, start:end], self.kv[layer, 1, start:end]
+        return self.kv[layer, 0, :, start:end], self.kv[layer, 1, :, start:end]
 
 
 class TensorKVSink(KVSink):
-    """Receives into a new ``kv: [num_layers, 2, num_tokens, kv_heads, head_dim]``."""
+    """Receives into a new ``kv: [num_layers, 2, kv_heads, num_tokens, head_dim]``."""
 
     def __init__(self, spec: KVSpec, num_tokens: int):
         self.spec = spec
-        self.kv = torch.empty((spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype)
+        self.kv = torch.empty((spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim), dtype=spec.dtype)
 
     def write(self, layer, start, k, v):
-        self.kv[layer, 0, start : start + k.shape[0]] = k
-        self.kv[layer, 1, start : start + v.shape[0]] = v
+        self.kv[layer, 0, :, start : start + k.shape[1]] = k
+        self.kv[layer, 1, :, start : start + v.shape[1]] = v
 
 
 class KVSender(ABC):

@@ -51,7 +51,7 @@ def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int):
     for layer in range(spec.num_layers):
         for start in starts:
             end = min(start + tokens_per_chunk, num_tokens)
-            k, v = source.read(layer, start, end)  # each [n, kv_heads, head_dim]
+            k, v = source.read(layer, start, end)  # each [kv_heads, n, head_dim]
             key, value = _to_bytes(k), _to_bytes(v)
             yield kv_pb2.FetchKVResponse(
                 chunk=kv_pb2.KVChunk(
@@ -158,8 +158,8 @@ class GrpcKVReceiver(KVReceiver):
                 expected = chunk.num_tokens * row_bytes
                 if len(chunk.key) != expected or len(chunk.value) != expected:
                     raise KVTransferError(f"KV chunk (layer {chunk.layer}) has {len(chunk.key)} bytes, expected {expected}")
-                shape = (chunk.num_tokens, spec.num_kv_heads, spec.head_dim)
-                k = torch.frombuffer(chunk.key, dtype=spec.dtype).view(shape)  # [n, kv_heads, head_dim]
+                shape = (spec.num_kv_heads, chunk.num_tokens, spec.head_dim)
+                k = torch.frombuffer(chunk.key, dtype=spec.dtype).view(shape)  # [kv_heads, n, head_dim]
                 v = torch.frombuffer(chunk.value, dtype=spec.dtype).view(shape)
                 sink.write(chunk.layer, chunk.start_token, k, v)
                 num_chunks += 1

@@ -37,4 +37,4 @@ class PagedKVSink(KVSink):
         self._slots = kv_cache.slots(block_table, 0, num_tokens)  # [num_tokens]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv_cache.write(layer, self._slots[start : start + k.shape[0]], k, v)
+        self.kv_cache.write(layer, self._slots[start : start + k.shape[1]], k, v)

@@ -156,7 +156,8 @@ def test_decode_attention_matches_sdpa_with_ragged_mask():
     torch.manual_seed(0)
     q, k, v = torch.randn(4, 9, 1, 64), torch.randn(4, 3, 40, 64), torch.randn(4, 3, 40, 64)
     mask = (torch.arange(40)[None, :] < torch.tensor([40, 13, 1, 27])[:, None]).view(4, 1, 1, 40)
-    want, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.125, is_causal=False)
-    got = decode_attention(q, k, v, mask, 0.125)
-    assert got.shape == want.shape == (4, 1, 9, 64)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.125, is_causal=False)  # [B, 1, heads, hd]
+    # decode_attention works in [kv_heads, B, ...] order, query heads grouped by their kv head
+    got = decode_attention(q[:, :, 0].view(4, 3, 3, 64).transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask.view(4, 40), 0.125)
+    assert got.shape == (3, 4, 3, 64)
+    torch.testing.assert_close(got.transpose(0, 1).reshape(4, 1, 9, 64), want, rtol=1e-5, atol=1e-5)

@@ -18,8 +18,8 @@ SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
 def random_kv(spec: KVSpec, num_tokens: int) -> TensorKVSource:
-    """kv: [num_layers, 2, num_tokens, kv_heads, head_dim]"""
-    shape = (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
+    """kv: [num_layers, 2, kv_heads, num_tokens, head_dim]"""
+    shape = (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
     return TensorKVSource(torch.randn(shape).to(spec.dtype))
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.errors import InvalidRequestError
+from pdserve.engine.fast_linear import can_pack, pack_linears
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.model_runner import PagedModelRunner
 from pdserve.engine.scheduler import Scheduler
@@ -29,6 +30,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # new tokens per forward
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
     enable_prefix_caching: bool = True
+    # pdserve's fast paths (packed bf16 linear weights, matmul decode attention in
+    # bf16/fp16); False runs transformers' own layers and SDPA everywhere
+    optimize: bool = True
 
 
 class Engine:
@@ -40,7 +44,9 @@ class Engine:
         self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
-        self.runner = PagedModelRunner(model, self.kv_cache)
+        if config.optimize and can_pack(model):
+            pack_linears(model)
+        self.runner = PagedModelRunner(model, self.kv_cache, fast_decode_attention=config.optimize)
         self.lock = threading.RLock()  # guards the scheduler and block manager
         self.num_steps = 0
         self.num_tokens_computed = 0

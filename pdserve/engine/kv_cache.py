@@ -1,11 +1,12 @@
 """PagedKVCache: one worker's preallocated KV pool.
 
-Layout (slot-major, a slot = one token position of one block)::
+Layout (head-major, so one sequence's blocks gather into a tensor attention can use
+without another copy)::
 
-    k, v: [num_layers, num_blocks * block_size, kv_heads, head_dim]
+    k, v: [num_layers, kv_heads, num_blocks * block_size, head_dim]
 
-i.e. per layer ``[num_blocks, block_size, kv_heads, head_dim]`` flattened over the
-first two dims, so ``k[layer][slots]`` gathers any tokens in one indexing op.
+i.e. per layer ``[kv_heads, num_blocks, block_size, head_dim]`` with the block dims
+flattened into token slots; slot ``b * block_size + i`` is token ``i`` of block ``b``.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ class PagedKVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
 
     @staticmethod
     def num_blocks_for(spec: KVSpec, block_size: int, num_tokens: int | None = None, num_bytes: int | None = None) -> int:
-        """Blocks that fit ``num_tokens`` tokens or ``num_bytes`` bytes (one of them)."""
+        """Blocks that fit ``num_tokens`` tokens or ``num_bytes`` bytes (bytes win)."""
         if num_bytes is not None:
             num_tokens = num_bytes // spec.bytes_per_token
         if not num_tokens or num_tokens < block_size:
@@ -37,6 +38,11 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one layer as ``[kv_heads, num_blocks, block_size, head_dim]``."""
+        shape = (self.spec.num_kv_heads, self.num_blocks, self.block_size, self.spec.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot index of each token position in [start, end): LongTensor [end - start]."""
         positions = torch.arange(start, end)
@@ -44,10 +50,10 @@ class PagedKVCache:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of the given slots: each [len(slots), kv_heads, head_dim] (a copy)."""
-        return self.k[layer][slots], self.v[layer][slots]
+        """(k, v) of the given slots: each [kv_heads, len(slots), head_dim] (a copy)."""
+        return self.k[layer][:, slots], self.v[layer][:, slots]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k, v: [len(slots), kv_heads, head_dim]`` into the given slots."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        """Store ``k, v: [kv_heads, len(slots), head_dim]`` into the given slots."""
+        self.k[layer].index_copy_(1, slots, k)
+        self.v[layer].index_copy_(1, slots, v)

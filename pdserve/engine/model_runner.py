@@ -15,8 +15,9 @@ from pdserve.engine.sequence import Sequence
 
 
 class PagedModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache):
+    def __init__(self, model, kv_cache: PagedKVCache, fast_decode_attention: bool = True):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.fast_decode_attention = fast_decode_attention
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
@@ -24,24 +25,24 @@ class PagedModelRunner:
 
     def _context(self, batch: list[tuple[Sequence, int]]) -> tuple[AttentionContext, list[int], list[int]]:
         input_ids, positions, new_slots, context_slots, query_starts, context_lens = [], [], [], [], [0], []
+        decode_only = all(num_new == 1 for _, num_new in batch)
         for seq, num_new in batch:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots = self.kv_cache.slots(seq.block_table, 0, end)  # [end]
-            context_slots.append(slots)
-            new_slots.append(slots[start:])
+            slots = self.kv_cache.slots(seq.block_table, start if decode_only else 0, end)
+            new_slots.append(slots[-num_new:])
+            if not decode_only:
+                context_slots.append(slots)  # [end]
             query_starts.append(query_starts[-1] + num_new)
             context_lens.append(end)
-        ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots)
-        if all(num_new == 1 for _, num_new in batch):
-            max_len = max(context_lens)
-            if len(batch) == 1 or min(context_lens) == max_len:
-                ctx.decode_slots = torch.stack(context_slots)  # [B, max_len]
-            else:
-                ctx.decode_slots = torch.stack([torch.nn.functional.pad(s, (0, max_len - len(s))) for s in context_slots])
-                lens = torch.tensor(context_lens)
-                ctx.decode_mask = (torch.arange(max_len)[None, :] < lens[:, None]).view(len(batch), 1, 1, max_len)
+        ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots, self.fast_decode_attention)
+        if decode_only:  # a decode step: block-granular gather
+            bs = self.kv_cache.block_size
+            max_blocks = max(-(-n // bs) for n in context_lens)
+            tables = [seq.block_table[:max_blocks] + [0] * (max_blocks - min(len(seq.block_table), max_blocks)) for seq, _ in batch]
+            ctx.decode_block_ids = torch.tensor(tables, dtype=torch.long).view(-1)  # [B * max_blocks]
+            ctx.decode_mask = torch.arange(max_blocks * bs)[None, :] < torch.tensor(context_lens)[:, None]  # [B, S]
         return ctx, input_ids, positions
 
     @torch.inference_mode()
