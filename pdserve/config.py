@@ -60,6 +60,8 @@ class PoolConfig:
     max_num_batched_tokens: int = 2048  # new tokens per forward
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
     enable_prefix_caching: bool = True
+    optimize: bool = True  # packed oneDNN weights for bf16 linear layers (bit-identical)
+    fast_decode_attention: bool = False  # float32-matmul decode attention (faster; see engine.py)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pdserve.engine.sequence import Sequence
 
 
 class PagedModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, fast_decode_attention: bool = True):
+    def __init__(self, model, kv_cache: PagedKVCache, fast_decode_attention: bool = False):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.fast_decode_attention = fast_decode_attention
         self.model = model

@@ -1,0 +1,91 @@
+"""The engine on the real model (SmolLM2-135M-Instruct) in-process, against model.generate.
+
+float32: exact. bfloat16 (with the default fast paths): identical up to the first
+difference, and there the reference's top two log-probabilities are within 0.05 (a near-tie).
+
+The reference's log-probabilities are taken from its bf16 final hidden state through the
+LM head in float32: its bf16 logits are rounded to steps of 0.125 at magnitudes 16-32, so
+a gap measured on them is 0 or 0.125 and cannot resolve a 0.05 threshold.
+"""
+
+import pytest
+import torch
+
+from conftest import reference_generate
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.model_loader import load_model, load_tokenizer
+from pdserve.worker import eos_token_ids
+from test_engine import assert_all_blocks_free, generate_all
+
+TEXT = (
+    "Rivers shape the land they cross. Over thousands of years a river cuts valleys, carries silt "
+    "to the sea and builds deltas where it slows down. People have always settled along rivers "
+    "for water, food, transport and fertile soil, and many of the first cities grew on their banks. "
+)
+
+
+@pytest.fixture(scope="module")
+def real(real_model_dir):
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(real_model_dir)
+    ids = tokenizer(TEXT * 80).input_ids
+    assert len(ids) > 3000
+    return real_model_dir, tokenizer, ids
+
+
+def engine_for(model_dir, dtype, **config):
+    model = load_model(model_dir, dtype)
+    return Engine(model, EngineConfig(**config), eos_token_ids(model, load_tokenizer(model_dir)), 8192)
+
+
+def test_3000_token_prompt_prefilled_in_chunks_of_256_is_exact(real):
+    model_dir, _, ids = real
+    prompt = ids[:3000]
+    engine = engine_for(model_dir, "float32", num_blocks=256, chunk_size=256, max_num_batched_tokens=256)
+    seq = generate_all(engine, [prompt], 8)[0]
+    assert engine.num_steps == 3000 // 256 + 1 + 7  # 12 prefill chunks, then 7 decode steps
+    assert seq.token_ids[3000:] == reference_generate(load_model(model_dir, "float32"), prompt, 8, ignore_eos=True)
+    assert_all_blocks_free(engine)
+
+
+def test_preemption_on_a_small_pool_is_exact(real):
+    model_dir, _, ids = real
+    prompts = [ids[i * 50 : i * 50 + n] for i, n in enumerate([90, 60, 120, 75, 100, 40])]
+    engine = engine_for(model_dir, "float32", num_blocks=40, block_size=16)  # 640 slots for ~600 prompt tokens + 6 x 24
+    seqs = generate_all(engine, prompts, 24)
+    assert engine.scheduler.num_preemptions > 0
+    reference = load_model(model_dir, "float32")
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.token_ids[len(prompt):] == reference_generate(reference, prompt, 24, ignore_eos=True)
+    assert_all_blocks_free(engine)
+
+
+def test_repeated_prompt_hits_the_prefix_cache_and_is_exact(real):
+    model_dir, _, ids = real
+    prompt = ids[:200]
+    engine = engine_for(model_dir, "float32", num_blocks=64)
+    first, second = generate_all(engine, [prompt], 8)[0], generate_all(engine, [prompt], 8)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 192  # 12 full blocks of 16
+    want = reference_generate(load_model(model_dir, "float32"), prompt, 8, ignore_eos=True)
+    assert first.token_ids[200:] == want and second.token_ids[200:] == want
+    assert_all_blocks_free(engine)
+
+
+def test_bfloat16_batched_differs_only_at_near_ties(real):
+    model_dir, _, ids = real
+    prompts = [ids[i * 30 : i * 30 + n] for i, n in enumerate([1, 7, 16, 33, 64, 130, 250, 17])]
+    engine = engine_for(model_dir, "bfloat16", num_blocks=128)  # defaults: packed bf16 weights
+    seqs = generate_all(engine, prompts, 16)
+    reference = load_model(model_dir, "bfloat16")
+    for seq, prompt in zip(seqs, prompts):
+        got, want = seq.token_ids[len(prompt):], reference_generate(reference, prompt, 16, ignore_eos=True)
+        if got == want:
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        assert got[:first] == want[:first]
+        with torch.inference_mode():
+            hidden = reference.model(torch.tensor([prompt + want[:first]])).last_hidden_state[0, -1]
+            logits = hidden.float() @ reference.lm_head.weight.float().T  # [vocab]
+        top2 = torch.topk(torch.log_softmax(logits, -1), 2).values
+        assert float(top2[0] - top2[1]) <= 0.05, f"not a near-tie at position {first}"
+    assert_all_blocks_free(engine)
