@@ -82,6 +82,7 @@ class EngineLoop:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            steps_before = self.engine.num_steps
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a failed forward fails the requests in it, not the worker
@@ -96,3 +97,6 @@ class EngineLoop:
                 self._emit(seq, TokenChunk([] if reason == "stop" else [seq.token_ids[-1]], reason))
                 if seq.status is SeqStatus.FINISHED:
                     self._outputs.pop(seq.request_id, None)
+            if self.engine.num_steps == steps_before:  # work is waiting for blocks: don't spin
+                self._wake.wait(timeout=0.005)
+                self._wake.clear()
