@@ -127,16 +127,16 @@ class Router:
         if first.finish_reason is not None:  # done after one token: decode never runs
             yield response([] if first.finish_reason == "stop" else [first.first_token], first.finish_reason)
             return
-        yield response([first.first_token], None)
-
-        decode_request = DecodeRequest(request_id, prompt_ids, first.first_token, params, first.kv)
-        stream = self.decode.options(stream=True).generate.remote(decode_request)
-        finished = False
+        stream, finished = None, False
         try:
+            yield response([first.first_token], None)
+            decode_request = DecodeRequest(request_id, prompt_ids, first.first_token, params, first.kv)
+            stream = self.decode.options(stream=True).generate.remote(decode_request)
             async for chunk in stream:
                 finished = chunk.finish_reason is not None
                 yield response(chunk.token_ids, chunk.finish_reason)
         finally:
-            if not finished:  # cancelled or failed: free both sides now
-                stream.cancel()
+            if not finished:  # cancelled or failed: free both sides now (a no-op where already freed)
+                if stream is not None:
+                    stream.cancel()
                 self.prefill.release.remote(first.kv.transfer_id)
