@@ -170,10 +170,21 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "engine.png")
+    print_tables(result)
     print(f"\nhardware: read {hw['mem_read_bytes_per_s'] / 1e9:.1f} GB/s, memcpy {hw['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"matmul fp32 {hw['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {hw['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s ({hw['num_threads']} threads)")
     print("targets:", json.dumps({k: round(v, 3) if v is not None else None for k, v in targets.items()}))
     print(f"wrote {out / 'engine.json'} and {out / 'engine.png'}")
+
+
+def print_tables(result: dict) -> None:
+    print(f"\n{'batch':>5} | {'pdserve ms':>10} | {'fast-attn ms':>12} | {'HF eager ms':>11} | {'roofline ms':>11} | {'x roofline':>10}")
+    for d in result["decode"]:
+        print(f"{d['batch']:>5} | {d['pdserve_s'] * 1e3:>10.1f} | {d['pdserve_fast_attention_s'] * 1e3:>12.1f} | "
+              f"{d['hf_eager_s'] * 1e3:>11.1f} | {d['roofline_s'] * 1e3:>11.1f} | {d['pdserve_over_roofline']:>10.2f}")
+    print(f"\n{'tokens':>6} | {'pdserve tok/s':>13} | {'HF eager tok/s':>14} | {'of matmul peak':>14}")
+    for p in result["prefill"]:
+        print(f"{p['tokens']:>6} | {p['pdserve_tokens_per_s']:>13.0f} | {p['hf_tokens_per_s']:>14.0f} | {p['fraction_of_matmul_peak']:>14.0%}")
 
 
 def plot(result: dict, path: Path) -> None:
