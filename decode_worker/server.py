@@ -76,9 +76,7 @@ class DecodeServer:
             raise
         try:
             while True:
-                item = await asyncio.wait_for(queue.get(), timeout=STEP_DEADLINE_S)
-                if isinstance(item, BaseException):
-                    raise item
+                item = await self.loop.next_output(queue, STEP_DEADLINE_S)
                 yield item
                 if item.finish_reason is not None:
                     return

@@ -23,7 +23,6 @@ class PrefillResult:
     first_token: int
     finish_reason: str | None  # "stop" / "length" if the first token ends the request
     kv: KVHandle | None
-    prefill_s: float  # seconds spent in the forward
 
 
 @dataclass

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 from kv_transfer import make_sender
@@ -43,21 +41,18 @@ class PrefillServer:
         TimeoutError after PREFILL_DEADLINE_S."""
         request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
         seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params, stop_after_first_token=True)
-        start = time.perf_counter()
         queue = self.loop.submit(seq)
         try:
-            chunk = await asyncio.wait_for(queue.get(), timeout=PREFILL_DEADLINE_S)
+            chunk = await self.loop.next_output(queue, PREFILL_DEADLINE_S)
         except BaseException:
             self.loop.abort(seq)
             raise
-        if isinstance(chunk, BaseException):
-            raise chunk
         self.num_requests += 1
         handle = None
         if chunk.finish_reason is None:  # decode will continue: lease the prompt's blocks to it
             source = PagedKVSource(self.engine.kv_cache, seq.block_table, seq.num_prompt_tokens, self.engine.free_blocks)
             handle = self.kv_sender.put(request.request_id, source, self.cfg.prefill.kv_lease_s)
-        return PrefillResult(request.request_id, seq.token_ids[-1], chunk.finish_reason, handle, time.perf_counter() - start)
+        return PrefillResult(request.request_id, seq.token_ids[-1], chunk.finish_reason, handle)
 
     async def release(self, transfer_id: str) -> bool:
         """Free a request's KV early (the router calls this when a request is cancelled)."""

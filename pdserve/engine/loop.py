@@ -55,6 +55,17 @@ class EngineLoop:
             self._aborts.append(seq)
         self._wake.set()
 
+    @staticmethod
+    async def next_output(queue: asyncio.Queue, timeout_s: float) -> TokenChunk:
+        """The next chunk from a ``submit`` queue; re-raises a failed step's exception.
+
+        Raises TimeoutError after ``timeout_s`` seconds.
+        """
+        item = await asyncio.wait_for(queue.get(), timeout=timeout_s)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 

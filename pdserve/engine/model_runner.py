@@ -21,7 +21,6 @@ class PagedModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
-        self.num_forwards = 0
 
     def _context(self, batch: list[tuple[Sequence, int]]) -> tuple[AttentionContext, list[int], list[int]]:
         input_ids, positions, new_slots, context_slots, query_starts, context_lens = [], [], [], [], [0], []
@@ -60,5 +59,4 @@ class PagedModelRunner:
             )
         finally:
             set_context(None)
-        self.num_forwards += 1
         return out.logits[0].float()
