@@ -1,5 +1,10 @@
 """The connector interface, split by role: a sender (prefill) and a receiver (decode).
 
+- ``KVSender.put`` holds a prompt's KV under a lease and returns a ``KVHandle``;
+  ``pop_finished`` tells which transfers have ended (acknowledged, cancelled, expired).
+- ``KVReceiver.fetch`` moves the KV named by a handle into a sink, checks it and
+  acknowledges it; ``release`` cancels a transfer.
+
 KV moves per (layer, token range) as ``k, v: [kv_heads, num_tokens, head_dim]``,
 the layout of a paged pool's slots (pdserve/engine/kv_cache.py). A ``KVSource`` is what a
 sender reads from (the prefill worker's blocks), a ``KVSink`` what a receiver writes
@@ -8,6 +13,7 @@ into (the decode worker's blocks), so KV goes straight from pool to pool.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -20,10 +26,13 @@ from pdserve.kv_layout import KVSpec
 class KVHandle:
     """Where one prompt's KV can be fetched from. Passed prefill -> router -> decode."""
 
-    backend: str  # "grpc"
-    address: str  # "host:port" of the sender's KV server
+    backend: str  # the sender's configured backend: "grpc", "shm", "auto" or "loopback"
+    address: str  # "host:port" of the sender's KV server ("loopback:<id>" in-process)
     transfer_id: str
     num_tokens: int  # prompt tokens covered by the KV
+    node_id: str = ""  # the sender's node; shm needs the receiver on the same one
+    shm_path: str = ""  # the sender's shared-memory KV pool, where it offers shm
+    instance_id: str = ""  # the sender process; a restart changes it (new handshake)
 
 
 class KVSource(ABC):
@@ -90,6 +99,10 @@ class KVSender(ABC):
         """Free the KV now (decode confirmed receipt, or a cancel). False if already gone."""
 
     @abstractmethod
+    def pop_finished(self) -> list[tuple[str, str]]:
+        """Transfers that ended since the last call: (transfer_id, "released" | "expired")."""
+
+    @abstractmethod
     def stats(self) -> dict[str, int]:
         """Counters: num_held, bytes_held, num_released, num_expired."""
 
@@ -98,19 +111,27 @@ class KVSender(ABC):
 
 
 class KVReceiver(ABC):
-    """Decode side: fetches KV named by a handle into a sink, then acknowledges it."""
+    """Decode side: fetches KV named by a handle into a sink, checks it, acknowledges it."""
 
     @abstractmethod
-    def fetch(self, handle: KVHandle, sink: KVSink, timeout_s: float) -> None:
-        """Write all ``handle.num_tokens`` tokens of every layer into ``sink``.
+    def fetch(self, handle: KVHandle, sink: KVSink, timeout_s: float, cancel: threading.Event | None = None) -> str:
+        """Write all ``handle.num_tokens`` tokens of every layer into ``sink``, verify every
+        checksum, then acknowledge so the sender frees its copy. Returns the transport used
+        ("grpc", "shm" or "loopback"). Returns only once nothing writes into ``sink`` any more.
 
-        Raises KVNotFoundError if the sender no longer holds it, KVTransferError
-        on a timeout, a broken stream, a checksum or a layout mismatch.
+        Raises KVIncompatibleError if the sender's fingerprint differs (naming the field),
+        KVNotFoundError if the sender no longer holds the KV (released, or its lease expired
+        before the acknowledgement, so what was read may be stale), KVTransferError on a
+        timeout, a broken stream, a checksum or layout mismatch, or when ``cancel`` is set.
         """
 
     @abstractmethod
     def release(self, handle: KVHandle, timeout_s: float) -> bool:
-        """Tell the sender it may free the KV. Returns False if it was already gone."""
+        """Cancel: tell the sender to free the KV now. Returns False if it was already gone."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters: num_fetched, bytes_fetched, fetch_seconds (and per transport)."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from kv_transfer.base import KVSource
@@ -25,6 +26,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self.num_released = 0
         self.num_expired = 0
+        self._finished: deque[tuple[str, str]] = deque(maxlen=100_000)  # (transfer_id, "released" | "expired"), not yet popped
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval_s,), daemon=True, name="kv-lease-reaper")
         self._reaper.start()
@@ -50,6 +52,7 @@ class LeaseTable:
             if lease is None:
                 return False
             self.num_released += 1
+            self._finished.append((transfer_id, "released"))
         lease.source.release()
         return True
 
@@ -60,9 +63,16 @@ class LeaseTable:
             expired = [tid for tid, lease in self._leases.items() if lease.expires_at <= now]
             sources = [self._leases.pop(tid).source for tid in expired]
             self.num_expired += len(expired)
+            self._finished.extend((tid, "expired") for tid in expired)
         for source in sources:
             source.release()
         return len(expired)
+
+    def pop_finished(self) -> list[tuple[str, str]]:
+        with self._lock:
+            finished = list(self._finished)
+            self._finished.clear()
+        return finished
 
     def _reap_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):

@@ -34,6 +34,7 @@ class PagedKVSink(KVSink):
     def __init__(self, kv_cache: PagedKVCache, block_table: list[int], num_tokens: int):
         self.kv_cache = kv_cache
         self.spec = kv_cache.spec
+        self.block_table = block_table
         self._slots = kv_cache.slots(block_table, 0, num_tokens)  # [num_tokens]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

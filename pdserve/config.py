@@ -61,7 +61,7 @@ class PoolConfig:
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
     enable_prefix_caching: bool = True
     optimize: bool = True  # packed oneDNN weights for bf16 linear layers (bit-identical)
-    fast_decode_attention: bool = False  # float32-matmul decode attention (faster; see engine.py)
+    decode_kernel: bool = False  # C paged decode attention over blocks in place (faster; see engine.py)
 
 
 @dataclass

@@ -20,5 +20,13 @@ class KVNotFoundError(KVTransferError):
     """The prefill side holds no KV under that transfer id (released or lease expired)."""
 
 
+class KVIncompatibleError(KVTransferError):
+    """The prefill worker's KV fingerprint differs from the decode worker's; ``field`` names what."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 class CapacityError(PDServeError):
     """No room right now (KV pool full); retry later (maps to RESOURCE_EXHAUSTED)."""

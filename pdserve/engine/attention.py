@@ -5,11 +5,11 @@ attention layer calls ``paged_attention`` with the step's packed queries and new
 keys/values. It stores the new K/V into their slots of the paged pool, gathers each
 sequence's context from its blocks and attends over it:
 
-- prefill chunks (and float32 decode) go through transformers' own SDPA function, so
-  the numerics match the reference ``model.generate`` path;
-- decode steps (one query per sequence) gather their blocks at block granularity and
-  run one batched SDPA call, or, with ``fast_decode_attention`` in bf16/fp16, a pair of
-  float32 matmuls (``decode_attention``).
+- prefill chunks go through transformers' own SDPA function, so the numerics match
+  the reference ``model.generate`` path;
+- decode steps (one query per sequence) run pdserve's C kernel over the blocks in place
+  (``paged_decode.py``, numerics of torch's flash attention); with the kernel off or
+  unavailable they gather their blocks into one padded batch for a single SDPA call.
 
 The per-step metadata (``AttentionContext``) is set by the ModelRunner around each
 forward, as in nano-vllm.
@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.paged_decode import paged_decode_attention
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -35,10 +36,11 @@ class AttentionContext:
     query_starts: list[int]  # [num_seqs + 1] offsets of each sequence's new tokens
     context_lens: list[int]  # [num_seqs] tokens of context (cached + new) per sequence
     context_slots: list[torch.Tensor]  # per sequence: [context_len] slots of its whole context
-    fast_decode_attention: bool = False  # float32-matmul attention for bf16/fp16 decode
     # decode-only steps (one new token per sequence):
     decode_block_ids: torch.Tensor | None = None  # [num_seqs * max_blocks] block tables, padded
-    decode_mask: torch.Tensor | None = None  # [num_seqs, max_blocks * block_size] bool, True = attend
+    decode_mask: torch.Tensor | None = None  # [num_seqs, max_blocks * block_size] bool, True = attend (SDPA path)
+    decode_block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32 (kernel path)
+    decode_context_lens: torch.Tensor | None = None  # [num_seqs] int32 (kernel path)
 
 
 _context: AttentionContext | None = None
@@ -47,26 +49,6 @@ _context: AttentionContext | None = None
 def set_context(context: AttentionContext | None) -> None:
     global _context
     _context = context
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """One query per sequence, as two batched matmuls computed in float32.
-
-    q: [kv_heads, B, group, head_dim] (query heads grouped by the kv head they share);
-    k, v: [kv_heads, B, S, head_dim]; mask: [B, S] bool (True = attend) or None.
-    Returns [kv_heads, B, group, head_dim] in q's dtype.
-
-    torch's CPU SDPA (its flash kernel) takes ~14 ms per layer for 16 sequences x 512
-    tokens in bf16 on this machine; these matmuls a few. Scores are float32 because a bf16
-    matmul rounds its output (scores of magnitude ~30 lose ~0.1). Even so its results are
-    not torch SDPA's, and against the bf16 reference it flips tokens at log-prob gaps up
-    to ~0.13, beyond the 0.05 near-tie rule, hence opt-in.
-    """
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling  # [kv_heads, B, group, S]
-    if mask is not None:
-        scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # as torch's flash kernel: P in bf16 for P @ V
-    return torch.matmul(probs, v)
 
 
 _workspaces: dict[str, torch.Tensor] = {}
@@ -96,17 +78,21 @@ def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, workspace: str)
     return out.view(blocks.dtype).view(heads, len(block_ids), block_size, head_dim)
 
 
-def _decode(module, query, k_blocks, v_blocks, ctx: AttentionContext, scaling):
+def _decode_in_place(query, layer: int, ctx: AttentionContext, scaling):
+    # query: [1, heads, B, head_dim] -> out [1, B, heads, head_dim]
+    k_cache, v_cache = ctx.kv_cache.k[layer], ctx.kv_cache.v[layer]  # [kv_heads, slots, head_dim]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_decode_attention(query[0].transpose(0, 1), k_cache, v_cache, ctx.decode_block_tables,
+                                 ctx.decode_context_lens, ctx.kv_cache.block_size, scale)
+    return out.unsqueeze(0), None
+
+
+def _decode_gathered(module, query, k_blocks, v_blocks, ctx: AttentionContext, scaling):
     # query: [1, heads, B, head_dim]; k_blocks: [kv_heads, num_blocks, block_size, head_dim]
     num_kv_heads, _, block_size, head_dim = k_blocks.shape
     batch = len(ctx.context_lens)
     k = gather_blocks(k_blocks, ctx.decode_block_ids, "k").view(num_kv_heads, batch, -1, head_dim)  # [kv_heads, B, S, head_dim]
     v = gather_blocks(v_blocks, ctx.decode_block_ids, "v").view(num_kv_heads, batch, -1, head_dim)
-    num_heads = query.shape[1]
-    if query.dtype != torch.float32 and ctx.fast_decode_attention:
-        q = query[0].view(num_kv_heads, num_heads // num_kv_heads, batch, head_dim).transpose(1, 2)
-        out = decode_attention(q, k, v, ctx.decode_mask, scaling if scaling is not None else head_dim**-0.5)
-        return out.transpose(1, 2).reshape(num_heads, batch, head_dim).transpose(0, 1).unsqueeze(0), None
     # transformers' own SDPA (reference numerics): [B, heads, 1, head_dim] against [B, kv_heads, S, head_dim]
     q = query[0].transpose(0, 1).unsqueeze(2)
     k, v = k.transpose(0, 1), v.transpose(0, 1)
@@ -130,9 +116,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_cache.index_copy_(1, ctx.slot_mapping, key[0])
     v_cache.index_copy_(1, ctx.slot_mapping, value[0])
 
+    if ctx.decode_block_tables is not None:
+        return _decode_in_place(query, layer, ctx, scaling)
     if ctx.decode_block_ids is not None:
         k_blocks, v_blocks = ctx.kv_cache.blocks(layer)
-        return _decode(module, query, k_blocks, v_blocks, ctx, scaling)
+        return _decode_gathered(module, query, k_blocks, v_blocks, ctx, scaling)
 
     outs = []
     for i, slots in enumerate(ctx.context_slots):

@@ -32,10 +32,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # packed oneDNN weights for bf16 linear layers (bit-identical, faster); False = plain nn.Linear
     optimize: bool = True
-    # bf16/fp16 decode attention as float32 matmuls instead of torch's SDPA: 2-4x faster
-    # decode at batch >= 8 here, but it flips bf16 near-ties beyond the 0.05 log-prob rule
-    # that the equivalence tests hold, so it is off unless asked for
-    fast_decode_attention: bool = False
+    # decode attention by pdserve's C kernel, reading KV in place from the blocks: 1.4x faster
+    # decode steps at batch 32 here. It rounds as torch's flash attention does, but sums in
+    # another order, so ~2% of bf16 attention outputs differ by one bf16 step and greedy
+    # tokens flip at log-prob gaps up to ~0.13, beyond the 0.05 near-tie rule the bf16
+    # equivalence tests hold; hence opt-in. False (or no C compiler) = gather + torch SDPA.
+    decode_kernel: bool = False
 
 
 class Engine:
@@ -49,7 +51,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
         if config.optimize and can_pack(model):
             pack_linears(model)
-        self.runner = PagedModelRunner(model, self.kv_cache, fast_decode_attention=config.fast_decode_attention)
+        self.runner = PagedModelRunner(model, self.kv_cache, decode_kernel=config.decode_kernel)
         self.lock = threading.RLock()  # guards the scheduler and block manager
         self.num_steps = 0
         self.num_tokens_computed = 0

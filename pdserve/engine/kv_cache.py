@@ -7,9 +7,15 @@ without another copy)::
 
 i.e. per layer ``[kv_heads, num_blocks, block_size, head_dim]`` with the block dims
 flattened into token slots; slot ``b * block_size + i`` is token ``i`` of block ``b``.
+
+With ``shm_path`` the pool lives in a shared-memory file (k then v), so a decode
+worker on the same node can copy blocks straight out of it (kv_transfer/shm_backend.py).
 """
 
 from __future__ import annotations
+
+import mmap
+import os
 
 import torch
 
@@ -17,13 +23,26 @@ from pdserve.kv_layout import KVSpec
 
 
 class PagedKVCache:
-    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: str | torch.device = "cpu"):
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: str | torch.device = "cpu", shm_path: str | None = None):
+        """Raises OSError if ``shm_path`` cannot be created at the pool's size."""
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.shm_path = shm_path
         shape = (spec.num_layers, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        if shm_path is None:
+            self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
+            self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        else:
+            self.k, self.v = map_pool_file(shm_path, spec, num_blocks, block_size, create=True)
+
+    def close(self) -> None:
+        """Remove the shared-memory file, if any (mappings stay valid until unmapped)."""
+        if self.shm_path is not None:
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
 
     @staticmethod
     def num_blocks_for(spec: KVSpec, block_size: int, num_tokens: int | None = None, num_bytes: int | None = None) -> int:
@@ -57,3 +76,25 @@ class PagedKVCache:
         """Store ``k, v: [kv_heads, len(slots), head_dim]`` into the given slots."""
         self.k[layer].index_copy_(1, slots, k)
         self.v[layer].index_copy_(1, slots, v)
+
+
+def map_pool_file(path: str, spec: KVSpec, num_blocks: int, block_size: int, create: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map a pool file as (k, v), each [num_layers, kv_heads, num_blocks * block_size, head_dim].
+
+    ``create`` makes the file (zero-filled, pages allocated on first touch); otherwise
+    it must exist with exactly the pool's size. Raises OSError (or ValueError on a size mismatch).
+    """
+    shape = (spec.num_layers, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
+    numel = shape[0] * shape[1] * shape[2] * shape[3]
+    nbytes = 2 * numel * spec.dtype.itemsize
+    fd = os.open(path, (os.O_RDWR | os.O_CREAT | os.O_EXCL) if create else os.O_RDWR, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        elif os.fstat(fd).st_size != nbytes:
+            raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, a pool of this shape {nbytes}")
+        buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    flat = torch.frombuffer(buf, dtype=spec.dtype)  # keeps buf alive
+    return flat[:numel].view(shape), flat[numel:].view(shape)

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine import paged_decode
 from pdserve.engine.attention import ATTN_IMPLEMENTATION, AttentionContext, set_context
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.sequence import Sequence
 
 
 class PagedModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, fast_decode_attention: bool = False):
+    def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool = False):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.fast_decode_attention = fast_decode_attention
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
+        # decode attention in place over the blocks (C kernel) where it runs; else gather + SDPA
+        self.decode_kernel = decode_kernel and paged_decode.supports(kv_cache.spec.dtype, self.device)
 
     def _context(self, batch: list[tuple[Sequence, int]]) -> tuple[AttentionContext, list[int], list[int]]:
         input_ids, positions, new_slots, context_slots, query_starts, context_lens = [], [], [], [], [0], []
@@ -35,13 +37,17 @@ class PagedModelRunner:
                 context_slots.append(slots)  # [end]
             query_starts.append(query_starts[-1] + num_new)
             context_lens.append(end)
-        ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots, self.fast_decode_attention)
-        if decode_only:  # a decode step: block-granular gather
+        ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots)
+        if decode_only:
             bs = self.kv_cache.block_size
             max_blocks = max(-(-n // bs) for n in context_lens)
             tables = [seq.block_table[:max_blocks] + [0] * (max_blocks - min(len(seq.block_table), max_blocks)) for seq, _ in batch]
-            ctx.decode_block_ids = torch.tensor(tables, dtype=torch.long).view(-1)  # [B * max_blocks]
-            ctx.decode_mask = torch.arange(max_blocks * bs)[None, :] < torch.tensor(context_lens)[:, None]  # [B, S]
+            if self.decode_kernel:  # attention reads the blocks in place
+                ctx.decode_block_tables = torch.tensor(tables, dtype=torch.int32)  # [B, max_blocks]
+                ctx.decode_context_lens = torch.tensor(context_lens, dtype=torch.int32)  # [B]
+            else:  # block-granular gather into a padded batch
+                ctx.decode_block_ids = torch.tensor(tables, dtype=torch.long).view(-1)  # [B * max_blocks]
+                ctx.decode_mask = torch.arange(max_blocks * bs)[None, :] < torch.tensor(context_lens)[:, None]  # [B, S]
         return ctx, input_ids, positions
 
     @torch.inference_mode()

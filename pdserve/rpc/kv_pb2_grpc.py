@@ -34,10 +34,20 @@ class KVTransferStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Handshake = channel.unary_unary(
+                '/pdserve.rpc.KVTransfer/Handshake',
+                request_serializer=pdserve_dot_rpc_dot_kv__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_kv__pb2.HandshakeResponse.FromString,
+                _registered_method=True)
         self.FetchKV = channel.unary_stream(
                 '/pdserve.rpc.KVTransfer/FetchKV',
                 request_serializer=pdserve_dot_rpc_dot_kv__pb2.FetchKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_rpc_dot_kv__pb2.FetchKVResponse.FromString,
+                _registered_method=True)
+        self.DescribeKV = channel.unary_unary(
+                '/pdserve.rpc.KVTransfer/DescribeKV',
+                request_serializer=pdserve_dot_rpc_dot_kv__pb2.DescribeKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_kv__pb2.DescribeKVResponse.FromString,
                 _registered_method=True)
         self.ReleaseKV = channel.unary_unary(
                 '/pdserve.rpc.KVTransfer/ReleaseKV',
@@ -49,7 +59,19 @@ class KVTransferStub:
 class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
+    def Handshake(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FetchKV(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeKV(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -64,10 +86,20 @@ class KVTransferServicer:
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Handshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handshake,
+                    request_deserializer=pdserve_dot_rpc_dot_kv__pb2.HandshakeRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_kv__pb2.HandshakeResponse.SerializeToString,
+            ),
             'FetchKV': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchKV,
                     request_deserializer=pdserve_dot_rpc_dot_kv__pb2.FetchKVRequest.FromString,
                     response_serializer=pdserve_dot_rpc_dot_kv__pb2.FetchKVResponse.SerializeToString,
+            ),
+            'DescribeKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeKV,
+                    request_deserializer=pdserve_dot_rpc_dot_kv__pb2.DescribeKVRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_kv__pb2.DescribeKVResponse.SerializeToString,
             ),
             'ReleaseKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKV,
@@ -86,6 +118,33 @@ class KVTransfer:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
+    def Handshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.KVTransfer/Handshake',
+            pdserve_dot_rpc_dot_kv__pb2.HandshakeRequest.SerializeToString,
+            pdserve_dot_rpc_dot_kv__pb2.HandshakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def FetchKV(request,
             target,
             options=(),
@@ -102,6 +161,33 @@ class KVTransfer:
             '/pdserve.rpc.KVTransfer/FetchKV',
             pdserve_dot_rpc_dot_kv__pb2.FetchKVRequest.SerializeToString,
             pdserve_dot_rpc_dot_kv__pb2.FetchKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.KVTransfer/DescribeKV',
+            pdserve_dot_rpc_dot_kv__pb2.DescribeKVRequest.SerializeToString,
+            pdserve_dot_rpc_dot_kv__pb2.DescribeKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

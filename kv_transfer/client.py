@@ -1,0 +1,132 @@
+"""KVClient: the decode side of every network backend (a KVReceiver).
+
+For each handle it (1) handshakes once per sender instance and refuses an incompatible
+fingerprint, (2) picks the transport: ``shm`` when the sender offers its pool file on this
+node (backend ``shm`` or ``auto``), else the ``grpc`` stream, (3) moves and checks the KV,
+(4) acknowledges with ReleaseKV, which must find the lease still held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from kv_transfer.base import KVHandle, KVReceiver, KVSink
+from kv_transfer.fingerprint import KVFingerprint
+from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, receive_stream
+from kv_transfer.server import fingerprint_to_proto
+from kv_transfer.shm_backend import ShmReader
+from pdserve.errors import KVNotFoundError, KVTransferError
+from pdserve.rpc import kv_pb2, kv_pb2_grpc
+
+
+class KVClient(KVReceiver):
+    """``mode``: "grpc" (always stream), "shm" (same node only) or "auto" (shm where it can)."""
+
+    def __init__(self, mode: str = "grpc", fingerprint: KVFingerprint | None = None, node_id: str = ""):
+        if mode not in ("grpc", "shm", "auto"):
+            raise ValueError(f"unknown KV receive mode {mode!r}")
+        self.mode = mode
+        self.fingerprint = fingerprint
+        self.node_id = node_id
+        self._stubs: dict[str, kv_pb2_grpc.KVTransferStub] = {}
+        self._channels: list[grpc.Channel] = []
+        self._verified: set[tuple[str, str]] = set()  # (address, instance_id) with a matching fingerprint
+        self._lock = threading.Lock()
+        self._shm = ShmReader()
+        self._stats: dict[str, float] = {"num_fetched": 0, "bytes_fetched": 0, "fetch_seconds": 0.0}
+
+    def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
+        with self._lock:
+            if address not in self._stubs:
+                channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                self._channels.append(channel)
+                self._stubs[address] = kv_pb2_grpc.KVTransferStub(channel)
+            return self._stubs[address]
+
+    def _handshake(self, handle: KVHandle, stub, timeout_s: float) -> None:
+        key = (handle.address, handle.instance_id)
+        if key in self._verified:
+            return
+        reply = stub.Handshake(kv_pb2.HandshakeRequest(fingerprint=fingerprint_to_proto(self.fingerprint)), timeout=timeout_s)
+        if self.fingerprint is not None:
+            theirs = KVFingerprint.from_dict({f: getattr(reply.fingerprint, f) for f in self.fingerprint.to_dict()})
+            self.fingerprint.check(theirs, f"prefill worker {handle.address}")
+        with self._lock:
+            self._verified.add((handle.address, reply.instance_id))
+
+    def transport_for(self, handle: KVHandle) -> str:
+        """"shm" or "grpc" for this handle. Raises KVTransferError if shm is required but impossible."""
+        same_node = bool(handle.shm_path) and handle.node_id == self.node_id
+        if self.mode == "grpc" or (self.mode == "auto" and not same_node):
+            return "grpc"
+        if not same_node:
+            raise KVTransferError(
+                f"kv_transfer.backend is shm but the prefill worker at {handle.address} "
+                f"({'another node' if handle.node_id != self.node_id else 'no shared-memory pool'}) cannot share memory with this one"
+            )
+        return "shm"
+
+    def fetch(self, handle: KVHandle, sink: KVSink, timeout_s: float, cancel: threading.Event | None = None) -> str:
+        deadline = time.monotonic() + timeout_s
+        left = lambda: max(0.001, deadline - time.monotonic())  # noqa: E731
+        stub = self._stub(handle.address)
+        start = time.perf_counter()
+        try:
+            self._handshake(handle, stub, left())
+            transport = self.transport_for(handle)
+            if transport == "shm":
+                desc = stub.DescribeKV(kv_pb2.DescribeKVRequest(transfer_id=handle.transfer_id), timeout=left())
+                block_size = self.fingerprint.block_size if self.fingerprint is not None else getattr(getattr(sink, "kv_cache", None), "block_size", 16)
+                nbytes = self._shm.copy(desc, sink, block_size, cancel)
+            else:
+                stream = stub.FetchKV(kv_pb2.FetchKVRequest(transfer_id=handle.transfer_id), timeout=left())
+                done = threading.Event()
+                if cancel is not None:  # a cancel cuts the stream at once, even while it waits
+                    threading.Thread(target=_cancel_when, args=(cancel, done, stream.cancel), daemon=True).start()
+                try:
+                    nbytes = receive_stream(stream, handle, sink, cancel)
+                finally:
+                    done.set()
+                    stream.cancel()
+            if not stub.ReleaseKV(kv_pb2.ReleaseKVRequest(transfer_id=handle.transfer_id), timeout=left()).released:
+                raise KVNotFoundError(f"the lease on KV {handle.transfer_id!r} ended before it was acknowledged; what was read may be stale")
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise KVNotFoundError(e.details()) from None
+            if cancel is not None and cancel.is_set():
+                raise KVTransferError("KV transfer cancelled") from None
+            raise KVTransferError(f"KV fetch from {handle.address} failed: {e.code().name}: {e.details()}") from None
+        with self._lock:
+            self._stats["num_fetched"] += 1
+            self._stats["bytes_fetched"] += nbytes
+            self._stats["fetch_seconds"] += time.perf_counter() - start
+            self._stats[f"num_fetched_{transport}"] = self._stats.get(f"num_fetched_{transport}", 0) + 1
+        return transport
+
+    def release(self, handle: KVHandle, timeout_s: float) -> bool:
+        try:
+            reply = self._stub(handle.address).ReleaseKV(kv_pb2.ReleaseKVRequest(transfer_id=handle.transfer_id), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise KVTransferError(f"KV release at {handle.address} failed: {e.code().name}: {e.details()}") from None
+        return reply.released
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels:
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+
+
+def _cancel_when(cancel: threading.Event, done: threading.Event, fn) -> None:
+    while not done.wait(0.02):
+        if cancel.is_set():
+            fn()
+            return

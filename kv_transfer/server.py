@@ -1,0 +1,134 @@
+"""KVServer: the prefill side of every network backend (a KVSender).
+
+It holds each prompt's KV under a lease (LeaseTable) and runs the KVTransfer gRPC service:
+
+- ``Handshake``: swaps KV fingerprints with a decode worker on first contact;
+- ``FetchKV``: streams the KV (grpc backend);
+- ``DescribeKV``: tells a same-node decode worker where the blocks lie in this worker's
+  shared-memory pool, with per-layer checksums (shm backend);
+- ``ReleaseKV``: the acknowledgement (or a cancel); frees the blocks.
+
+A stream that outlives its lease is cut with NOT_FOUND: blocks are freed only when a
+lease ends, so a lease still held after the last chunk proves no block was reused while
+it was read.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent import futures
+
+import grpc
+
+from kv_transfer import shm_backend
+from kv_transfer.base import KVHandle, KVSender, KVSource
+from kv_transfer.faults import FaultInjector
+from kv_transfer.fingerprint import KVFingerprint
+from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, iter_chunks
+from kv_transfer.lease import LeaseTable
+from pdserve.rpc import kv_pb2, kv_pb2_grpc
+
+
+def fingerprint_to_proto(fp: KVFingerprint | None) -> kv_pb2.KVFingerprint:
+    return kv_pb2.KVFingerprint(**fp.to_dict()) if fp is not None else kv_pb2.KVFingerprint()
+
+
+class _Servicer(kv_pb2_grpc.KVTransferServicer):
+    def __init__(self, server: "KVServer"):
+        self.s = server
+
+    def _held(self, transfer_id: str, context) -> KVSource:
+        source = self.s.table.get(transfer_id)
+        if source is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no KV held for transfer {transfer_id!r} (released or lease expired)")
+        return source
+
+    def _inject_stall_or_break(self, context) -> None:
+        if self.s.faults.take("timeout"):
+            time.sleep(self.s.faults.stall_s)
+        if self.s.faults.take("break"):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: connection broken mid-transfer")
+
+    def Handshake(self, request, context):
+        return kv_pb2.HandshakeResponse(fingerprint=fingerprint_to_proto(self.s.fingerprint), instance_id=self.s.instance_id)
+
+    def FetchKV(self, request, context):
+        source = self._held(request.transfer_id, context)
+        broken = False
+        if self.s.faults.take("timeout"):
+            time.sleep(self.s.faults.stall_s)
+        if self.s.faults.take("break"):
+            broken = True
+        for i, message in enumerate(iter_chunks(request.transfer_id, source, self.s.chunk_bytes, self.s.block_size, self.s.faults)):
+            if broken and i == 2:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: stream broken mid-transfer")
+            yield message
+        self._held(request.transfer_id, context)  # still held: nothing was reused under the reads
+
+    def DescribeKV(self, request, context):
+        source = self._held(request.transfer_id, context)
+        kv_cache = getattr(source, "kv_cache", None)
+        if kv_cache is None or kv_cache.shm_path is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill worker's KV pool is not in shared memory")
+        self._inject_stall_or_break(context)
+        block_ids, sums = shm_backend.describe(kv_cache, source.block_table, source.num_tokens)
+        if self.s.faults.take("corrupt"):
+            sums[0] ^= 1
+        return kv_pb2.DescribeKVResponse(
+            shm_path=kv_cache.shm_path, pool_num_blocks=kv_cache.num_blocks, block_ids=block_ids,
+            num_tokens=source.num_tokens, layer_checksums=sums,
+        )
+
+    def ReleaseKV(self, request, context):
+        return kv_pb2.ReleaseKVResponse(released=self.s.table.release(request.transfer_id))
+
+
+class KVServer(KVSender):
+    """Serves held KV on ``bind_host`` at a free port (``self.address``).
+
+    ``shm_path``: the sender's pool file when it offers shm (its PagedKVCache was made
+    with one). ``fingerprint``: this worker's KVFingerprint (None only in tests of raw
+    transfers). ``faults``: the FaultInjector tests arm.
+    """
+
+    def __init__(self, bind_host: str, chunk_bytes: int = 1 << 20, *, backend: str = "grpc", fingerprint: KVFingerprint | None = None,
+                 block_size: int = 0, shm_path: str | None = None, node_id: str = "", max_workers: int = 8):
+        self.table = LeaseTable()
+        self.chunk_bytes = chunk_bytes
+        self.backend = backend
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.shm_path = shm_path
+        self.node_id = node_id
+        self.instance_id = uuid.uuid4().hex
+        self.faults = FaultInjector()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-server"),
+            options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        )
+        kv_pb2_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
+        port = self._server.add_insecure_port(f"{bind_host}:0")
+        if port == 0:
+            raise OSError(f"cannot bind the KV server to {bind_host}")
+        self.address = f"{bind_host}:{port}"
+        self._server.start()
+
+    def put(self, transfer_id: str, source: KVSource, lease_s: float) -> KVHandle:
+        if self.faults.take("expire"):
+            lease_s = 0.0
+        self.table.hold(transfer_id, source, lease_s)
+        return KVHandle(self.backend, self.address, transfer_id, source.num_tokens, self.node_id, self.shm_path or "", self.instance_id)
+
+    def release(self, transfer_id: str) -> bool:
+        return self.table.release(transfer_id)
+
+    def pop_finished(self) -> list[tuple[str, str]]:
+        return self.table.pop_finished()
+
+    def stats(self) -> dict[str, int]:
+        return self.table.stats()
+
+    def close(self) -> None:
+        self._server.stop(grace=None)
+        self.table.close()

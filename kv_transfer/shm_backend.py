@@ -1,0 +1,122 @@
+"""shm backend: same node, CPU. The decode worker copies blocks straight out of the prefill
+worker's KV pool, which lives in a shared-memory file (PagedKVCache(shm_path=...)).
+
+1. ``DescribeKV`` (gRPC control plane) returns the pool file, the transfer's block ids and
+   one checksum per layer, computed by the sender over those blocks while it holds the lease.
+2. The receiver maps the file (once per sender), copies each layer's blocks into its own
+   blocks with one memcpy per run of consecutive blocks (no serialization, no staging
+   buffer), and checksums what landed against the sender's figure.
+3. It acknowledges with ``ReleaseKV``. The sender frees blocks only when a lease is
+   released or reaped, so an acknowledgement that finds the lease still held proves the
+   blocks were not reused during the copy; one that finds it gone means the copy may be
+   stale, and the transfer fails (KVNotFoundError).
+
+Block copies and checksums are C (pdserve/engine/kernels/kv_blocks.c): both sides are on
+one node, so both have it where either does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from kv_transfer.base import KVSink
+from pdserve.engine import kernels
+from pdserve.engine.kv_cache import PagedKVCache, map_pool_file
+from pdserve.errors import KVTransferError
+from pdserve.kv_layout import KVSpec
+
+
+def available() -> bool:
+    """Whether this process can serve or receive over shm (the C helpers build here)."""
+    return kernels.load("kv_blocks") is not None
+
+
+def _lib():
+    lib = kernels.load("kv_blocks")
+    if lib is None:
+        raise KVTransferError("the shm KV backend needs a C compiler on this node (see pdserve/engine/kernels)")
+    return lib
+
+
+def _ids(block_ids: list[int]) -> torch.Tensor:
+    return torch.tensor(block_ids, dtype=torch.int32)
+
+
+def layer_checksum(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> int:
+    """Checksum of one layer's blocks: k, v: [kv_heads, num_slots, head_dim]; block_ids: int32 [n]."""
+    lib = _lib()
+    block_bytes = block_size * k.shape[2] * k.element_size()
+    total = 0
+    for t in (k, v):
+        total = lib.kv_checksum_blocks(
+            t.data_ptr(), t.stride(0) * t.element_size(), block_bytes, block_ids.data_ptr(), len(block_ids), t.shape[0], total
+        )
+    return total
+
+
+def describe(kv_cache: PagedKVCache, block_table: list[int], num_tokens: int) -> tuple[list[int], list[int]]:
+    """Sender side: (block ids, per-layer checksums) of a held transfer's first ``num_tokens`` tokens."""
+    block_ids = block_table[: -(-num_tokens // kv_cache.block_size)]
+    ids = _ids(block_ids)
+    sums = [layer_checksum(kv_cache.k[l], kv_cache.v[l], ids, kv_cache.block_size) for l in range(kv_cache.spec.num_layers)]
+    return block_ids, sums
+
+
+class ShmReader:
+    """Receiver side: maps senders' pool files (a few at a time) and copies blocks out of them."""
+
+    def __init__(self, max_mapped: int = 8):
+        self._maps: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._max_mapped = max_mapped
+        self._lock = threading.Lock()
+
+    def _map(self, path: str, spec: KVSpec, num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            if path not in self._maps:
+                try:
+                    self._maps[path] = map_pool_file(path, spec, num_blocks, block_size)
+                except (OSError, ValueError) as e:
+                    raise KVTransferError(f"cannot map the sender's KV pool {path}: {e}") from None
+                while len(self._maps) > self._max_mapped:
+                    self._maps.popitem(last=False)
+            self._maps.move_to_end(path)
+            return self._maps[path]
+
+    def copy(self, desc, sink: KVSink, block_size: int, cancel: threading.Event | None) -> int:
+        """Copy a described transfer (DescribeKVResponse) into ``sink``; returns bytes copied.
+
+        Raises KVTransferError on a checksum mismatch or when ``cancel`` is set.
+        """
+        spec = sink.spec
+        src_k, src_v = self._map(desc.shm_path, spec, desc.pool_num_blocks, block_size)
+        src_ids = _ids(list(desc.block_ids))
+        if len(desc.layer_checksums) != spec.num_layers or len(src_ids) * block_size < desc.num_tokens:
+            raise KVTransferError("shm KV description does not match this decode worker's layout")
+        paged = getattr(sink, "kv_cache", None)
+        lib = _lib()
+        nbytes = 0
+        for layer in range(spec.num_layers):
+            if cancel is not None and cancel.is_set():
+                raise KVTransferError("KV transfer cancelled")
+            if paged is not None and paged.block_size == block_size:  # block to block: one memcpy per run
+                dst_ids = _ids(sink.block_table[: len(src_ids)])
+                block_bytes = block_size * spec.head_dim * spec.dtype.itemsize
+                for src, dst in ((src_k[layer], paged.k[layer]), (src_v[layer], paged.v[layer])):
+                    lib.kv_copy_blocks(src.data_ptr(), src.stride(0) * src.element_size(), dst.data_ptr(),
+                                       dst.stride(0) * dst.element_size(), block_bytes, src_ids.data_ptr(),
+                                       dst_ids.data_ptr(), len(src_ids), spec.num_kv_heads)
+                got = layer_checksum(paged.k[layer], paged.v[layer], dst_ids, block_size)
+            else:  # any other sink: token rows, then the checksum of the source as read
+                slots = (src_ids[torch.arange(desc.num_tokens) // block_size].long() * block_size
+                         + torch.arange(desc.num_tokens) % block_size)
+                sink.write(layer, 0, src_k[layer][:, slots], src_v[layer][:, slots])
+                got = layer_checksum(src_k[layer], src_v[layer], src_ids, block_size)
+            if got != desc.layer_checksums[layer]:
+                raise KVTransferError(f"KV layer {layer} failed its checksum after the shm copy")
+            nbytes += 2 * desc.num_tokens * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        return nbytes
+
+

@@ -1,0 +1,87 @@
+"""pdserve's CPU kernels in C, compiled on first use and loaded through ctypes.
+
+- ``paged_attention.c``: decode attention over KV blocks in place (engine/paged_decode.py).
+- ``kv_blocks.c``: block copies and checksums for the shm KV transfer backend.
+
+Each is built with the system C compiler (``cc -O3 -march=native``) into
+``~/.cache/pdserve/kernels/`` (``PDSERVE_CACHE_DIR`` moves it), keyed by a hash of the
+source, the compiler and this CPU's flags, under a file lock so concurrent workers build
+it once. No torch headers are involved: a build takes about a second. Where no compiler
+is found or the build fails, ``load()`` returns None and callers fall back (a warning
+says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+_i64, _u64, _ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+_SIGNATURES = {  # name -> {function: (restype, argtypes)}
+    "paged_attention": {
+        name: (None, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _ptr, _ptr])
+        for name in ("paged_decode_attention_bf16", "paged_decode_attention_f32")
+    },
+    "kv_blocks": {
+        "kv_checksum_blocks": (_u64, [_ptr, _i64, _i64, _ptr, _i64, _i64, _u64]),
+        "kv_copy_blocks": (None, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]),
+    },
+}
+_libs: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, name: str) -> Path:
+    source = Path(__file__).with_name(f"{name}.c")
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"{name}-{key}.so"
+    with open(cache / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            tmp = target.with_suffix(f".{os.getpid()}.tmp")
+            subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(source), "-lm"], check=True, capture_output=True, timeout=120)
+            tmp.rename(target)
+    return target
+
+
+def load(name: str = "paged_attention") -> ctypes.CDLL | None:
+    """The compiled library ``name`` (a .c file here), or None where it cannot be built (logged once)."""
+    if name in _libs:
+        return _libs[name]
+    _libs[name] = None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("pdserve: no C compiler found; %s kernels are unavailable, using the slower fallback", name)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler, name)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        logger.warning("pdserve: building %s.c failed (%s %s); using the slower fallback", name, exc, detail.decode(errors="replace")[:500])
+        return None
+    for fn_name, (restype, argtypes) in _SIGNATURES[name].items():
+        fn = getattr(lib, fn_name)
+        fn.restype, fn.argtypes = restype, argtypes
+    _libs[name] = lib
+    return lib
