@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from typing import Any, AsyncIterator
 
-from kv_transfer import make_receiver
+from kv_transfer import KVHandle, KVReceiver, make_receiver
 from kv_transfer.paged import PagedKVSink
 from pdserve.config import ClusterConfig
+from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
-from pdserve.errors import CapacityError, KVTransferError
+from pdserve.errors import CapacityError, KVIncompatibleError, KVTransferError
 from pdserve.messages import DecodeRequest, TokenChunk
 from pdserve.worker import build_engine
 
@@ -21,16 +24,38 @@ log = logging.getLogger(__name__)
 STEP_DEADLINE_S = 60.0  # longest wait for one token before the request fails
 
 
+async def receive_kv(kv_cache: PagedKVCache, receiver: KVReceiver, handle: KVHandle, blocks: list[int], num_tokens: int, timeout_s: float) -> str:
+    """Fetch a prompt's KV into ``blocks`` (reserved by the caller); returns the transport.
+
+    Cancel-safe: if the awaiting task is cancelled, the fetch thread is told to stop and
+    awaited (it stops at its next chunk or layer, or at its deadline) before the
+    CancelledError goes on, so nothing writes into the blocks once the caller frees them.
+    Raises what ``receiver.fetch`` raises.
+    """
+    cancel = threading.Event()
+    sink = PagedKVSink(kv_cache, blocks, num_tokens)
+    task = asyncio.ensure_future(asyncio.to_thread(receiver.fetch, handle, sink, timeout_s, cancel))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        cancel.set()
+        with contextlib.suppress(BaseException):
+            await task
+        raise
+
+
 class DecodeServer:
     """Receives each request's prompt KV straight into its own blocks, then decodes it in
     the shared running batch (continuous batching, one forward per step)."""
 
     def __init__(self, config: dict[str, Any]):
         self.cfg = ClusterConfig.from_dict(config)
-        self.engine = build_engine(self.cfg, "decode")
+        self.engine, fingerprint = build_engine(self.cfg, "decode")
         self.loop = EngineLoop(self.engine)
-        self.kv_receiver = make_receiver(self.cfg.kv_transfer)
+        self.kv_receiver = make_receiver(self.cfg.kv_transfer, fingerprint=fingerprint)
         self.num_kv_fetched = 0
+        self.num_kv_faults = 0  # fetches that failed; each recomputed or failed per kv_transfer.on_fault
+        self.num_recomputed = 0
 
     async def _reserve(self, num_tokens: int, deadline: float) -> list[int]:
         """Blocks for the incoming KV; they count as used from now on, so admission sees them."""
@@ -55,19 +80,24 @@ class DecodeServer:
         num_prompt = len(request.prompt_ids)
         blocks = await self._reserve(num_prompt, time.monotonic() + timeout_s)
         try:
-            sink = PagedKVSink(self.engine.kv_cache, blocks, num_prompt)
-            await asyncio.to_thread(self.kv_receiver.fetch, request.kv, sink, timeout_s)
+            await receive_kv(self.engine.kv_cache, self.kv_receiver, request.kv, blocks, num_prompt, timeout_s)
+            self.num_kv_fetched += 1
+        except KVTransferError as e:
+            self.engine.free_blocks(blocks)
+            blocks = []
+            self.num_kv_faults += 1
+            await self._release_quietly(request.kv)  # the sender frees its copy now, not at lease expiry
+            if isinstance(e, KVIncompatibleError) or self.cfg.kv_transfer.on_fault == "fail":
+                raise
+            log.warning("KV fetch for %s failed (%s); recomputing the prompt here", request.request_id, e)
+            self.num_recomputed += 1
         except BaseException:
             self.engine.free_blocks(blocks)
             raise
-        self.num_kv_fetched += 1
-        try:
-            await asyncio.to_thread(self.kv_receiver.release, request.kv, timeout_s)
-        except KVTransferError:  # the lease will expire on its own
-            log.warning("could not release KV %s; its lease will expire", request.kv.transfer_id)
+        # with its KV: decode from the first token on; without (recompute): prefill prompt + first token here
         seq = Sequence(
             request.request_id, [*request.prompt_ids, request.first_token], num_prompt, request.params,
-            num_computed_tokens=num_prompt, block_table=blocks,
+            num_computed_tokens=num_prompt if blocks else 0, block_table=blocks,
         )
         try:
             queue = self.loop.submit(seq)
@@ -83,8 +113,17 @@ class DecodeServer:
         finally:
             self.loop.abort(seq)  # no-op once finished
 
+    async def _release_quietly(self, handle: KVHandle) -> None:
+        try:
+            await asyncio.to_thread(self.kv_receiver.release, handle, 5.0)
+        except KVTransferError:
+            pass  # unreachable: its lease will expire
+
     async def stats(self) -> dict[str, int]:
-        return {"num_kv_fetched": self.num_kv_fetched, **self.engine.stats()}
+        return {
+            "num_kv_fetched": self.num_kv_fetched, "num_kv_faults": self.num_kv_faults, "num_recomputed": self.num_recomputed,
+            **self.engine.stats(), **{f"kv_{k}": v for k, v in self.kv_receiver.stats().items()},
+        }
 
     def check_health(self) -> None:
         if not self.loop.is_alive():

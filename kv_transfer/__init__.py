@@ -4,7 +4,11 @@ Roles (after vLLM v1's split connector API):
 - ``KVSender`` (prefill side): holds a prompt's KV under a lease and serves it.
 - ``KVReceiver`` (decode side): fetches it, then acknowledges so the sender frees it.
 
-Backends: ``grpc`` (any node to any node). See ``make_sender`` / ``make_receiver``.
+Backends (``kv_transfer.backend`` in cluster.yaml; see factory.py): ``grpc`` (any node to
+any node), ``shm`` (same node, from the prefill pool's shared memory into decode's
+blocks), ``auto`` (shm on the same node, else grpc) and ``loopback`` (in-process, tests).
+Every payload is checksummed, peers swap fingerprints first (fingerprint.py), and the
+prefill side holds KV under a lease until acknowledged (lease.py).
 """
 
 from kv_transfer.base import KVHandle, KVReceiver, KVSender

@@ -79,8 +79,7 @@ class KVClient(KVReceiver):
             transport = self.transport_for(handle)
             if transport == "shm":
                 desc = stub.DescribeKV(kv_pb2.DescribeKVRequest(transfer_id=handle.transfer_id), timeout=left())
-                block_size = self.fingerprint.block_size if self.fingerprint is not None else getattr(getattr(sink, "kv_cache", None), "block_size", 16)
-                nbytes = self._shm.copy(desc, sink, block_size, cancel)
+                nbytes = self._shm.copy(desc, sink, cancel)
             else:
                 stream = stub.FetchKV(kv_pb2.FetchKVRequest(transfer_id=handle.transfer_id), timeout=left())
                 done = threading.Event()

@@ -1,24 +1,113 @@
-"""Pick a KV transfer backend by its name in cluster.yaml (``kv_transfer.backend``)."""
+"""Pick the KV transfer backend named in cluster.yaml (``kv_transfer.backend``).
+
+- ``grpc``: KV streamed over gRPC; works between any two nodes.
+- ``shm``: the prefill pool lives in a shared-memory file and decode copies blocks out
+  of it; both workers must be on one node.
+- ``auto``: the prefill side offers both; each decode worker uses shm for a sender on its
+  own node and grpc otherwise. (``cuda_ipc`` is not built yet: no GPU to test it on.)
+- ``loopback``: in one process (tests); not a cluster setting.
+"""
 
 from __future__ import annotations
 
+import glob
+import logging
+import os
+import shutil
+import socket
+import uuid
+
 from kv_transfer.base import KVReceiver, KVSender
+from kv_transfer.fingerprint import KVFingerprint
 from pdserve.config import KVTransferConfig
 
+log = logging.getLogger(__name__)
 
-def make_sender(cfg: KVTransferConfig, node_ip: str) -> KVSender:
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "pdserve-kv-"
+
+
+def node_id() -> str:
+    """This node's id: Ray's node id inside Ray, else the host name and boot id."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        pass
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _remove_stale_pool_files() -> None:
+    """Pool files whose prefill process is gone (killed before it could unlink them)."""
+    for path in glob.glob(os.path.join(SHM_DIR, SHM_PREFIX + "*")):
+        try:
+            pid = int(os.path.basename(path)[len(SHM_PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                log.warning("removed stale KV pool file %s", path)
+            except OSError:
+                pass
+        except (ValueError, PermissionError):
+            pass
+
+
+def shm_pool_path(cfg: KVTransferConfig, pool_bytes: int) -> str | None:
+    """Where a prefill worker should put its KV pool: a new /dev/shm file name for ``shm``
+    and ``auto`` (when shared memory has room), None to keep it private.
+
+    Raises ValueError for ``shm`` when /dev/shm cannot hold ``pool_bytes``.
+    """
+    from kv_transfer import shm_backend
+
+    if cfg.backend not in ("shm", "auto"):
+        return None
+    _remove_stale_pool_files()
+    free = shutil.disk_usage(SHM_DIR).free if os.path.isdir(SHM_DIR) else 0
+    problem = None
+    if free < pool_bytes * 1.1:
+        problem = f"{SHM_DIR} has {free / 1e9:.1f} GB free, the KV pool needs {pool_bytes / 1e9:.1f} GB"
+    elif not shm_backend.available():
+        problem = "no C compiler for the shm block copies"
+    if problem is None:
+        return os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    if cfg.backend == "shm":
+        raise ValueError(f"kv_transfer.backend shm: {problem}")
+    log.warning("kv_transfer.backend auto: %s; KV goes over grpc only", problem)
+    return None
+
+
+def make_sender(cfg: KVTransferConfig, node_ip: str, *, fingerprint: KVFingerprint | None = None,
+                block_size: int = 0, shm_path: str | None = None) -> KVSender:
     """Raises ValueError for an unknown backend."""
-    if cfg.backend == "grpc":
-        from kv_transfer.grpc_backend import GrpcKVSender
+    if cfg.backend == "loopback":
+        from kv_transfer.loopback import LoopbackKVSender
 
-        return GrpcKVSender(cfg.bind_host or node_ip, cfg.chunk_bytes)
+        return LoopbackKVSender(fingerprint)
+    if cfg.backend in ("grpc", "shm", "auto"):
+        from kv_transfer.server import KVServer
+
+        return KVServer(cfg.bind_host or node_ip, cfg.chunk_bytes, backend=cfg.backend, fingerprint=fingerprint,
+                        block_size=block_size, shm_path=shm_path, node_id=node_id())
     raise ValueError(f"unknown KV transfer backend {cfg.backend!r}")
 
 
-def make_receiver(cfg: KVTransferConfig) -> KVReceiver:
+def make_receiver(cfg: KVTransferConfig, *, fingerprint: KVFingerprint | None = None) -> KVReceiver:
     """Raises ValueError for an unknown backend."""
-    if cfg.backend == "grpc":
-        from kv_transfer.grpc_backend import GrpcKVReceiver
+    if cfg.backend == "loopback":
+        from kv_transfer.loopback import LoopbackKVReceiver
 
-        return GrpcKVReceiver()
+        return LoopbackKVReceiver(fingerprint)
+    if cfg.backend in ("grpc", "shm", "auto"):
+        from kv_transfer.client import KVClient
+
+        return KVClient(cfg.backend, fingerprint, node_id())
     raise ValueError(f"unknown KV transfer backend {cfg.backend!r}")

@@ -77,7 +77,7 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
             sums[0] ^= 1
         return kv_pb2.DescribeKVResponse(
             shm_path=kv_cache.shm_path, pool_num_blocks=kv_cache.num_blocks, block_ids=block_ids,
-            num_tokens=source.num_tokens, layer_checksums=sums,
+            num_tokens=source.num_tokens, layer_checksums=sums, block_size=kv_cache.block_size,
         )
 
     def ReleaseKV(self, request, context):

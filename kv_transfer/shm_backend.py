@@ -85,15 +85,15 @@ class ShmReader:
             self._maps.move_to_end(path)
             return self._maps[path]
 
-    def copy(self, desc, sink: KVSink, block_size: int, cancel: threading.Event | None) -> int:
+    def copy(self, desc, sink: KVSink, cancel: threading.Event | None) -> int:
         """Copy a described transfer (DescribeKVResponse) into ``sink``; returns bytes copied.
 
         Raises KVTransferError on a checksum mismatch or when ``cancel`` is set.
         """
-        spec = sink.spec
+        spec, block_size = sink.spec, desc.block_size
         src_k, src_v = self._map(desc.shm_path, spec, desc.pool_num_blocks, block_size)
         src_ids = _ids(list(desc.block_ids))
-        if len(desc.layer_checksums) != spec.num_layers or len(src_ids) * block_size < desc.num_tokens:
+        if len(desc.layer_checksums) != spec.num_layers or block_size < 1 or len(src_ids) * block_size < desc.num_tokens:
             raise KVTransferError("shm KV description does not match this decode worker's layout")
         paged = getattr(sink, "kv_cache", None)
         lib = _lib()

@@ -64,12 +64,19 @@ class PoolConfig:
     decode_kernel: bool = False  # C paged decode attention over blocks in place (faster; see engine.py)
 
 
+KV_BACKENDS = ("grpc", "shm", "auto")
+FAULT_POLICIES = ("recompute", "fail")
+
+
 @dataclass
 class KVTransferConfig:
-    backend: str = "grpc"
+    backend: str = "auto"  # grpc | shm | auto (shm on the same node, grpc across nodes)
     bind_host: str | None = None  # None = this node's IP
     chunk_bytes: int = 1 << 20  # bytes of key+value per streamed chunk
     timeout_s: float = 30.0  # seconds for one whole fetch
+    # a fetch that times out, breaks, fails a checksum or finds its lease expired:
+    # "recompute" = the decode worker prefills the prompt itself; "fail" = the request fails
+    on_fault: str = "recompute"
 
 
 @dataclass
@@ -114,8 +121,13 @@ class ClusterConfig:
     def validate(self) -> None:
         if self.model.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
-        if self.kv_transfer.backend != "grpc":
-            raise ConfigError(f"kv_transfer.backend {self.kv_transfer.backend!r} is not available; use 'grpc'")
+        if self.kv_transfer.backend not in KV_BACKENDS:
+            hint = " (cuda_ipc is not built yet)" if self.kv_transfer.backend == "cuda_ipc" else ""
+            raise ConfigError(f"kv_transfer.backend must be one of {', '.join(KV_BACKENDS)}, not {self.kv_transfer.backend!r}{hint}")
+        if self.kv_transfer.on_fault not in FAULT_POLICIES:
+            raise ConfigError(f"kv_transfer.on_fault must be recompute or fail, not {self.kv_transfer.on_fault!r}")
+        if not self.kv_transfer.timeout_s > 0:
+            raise ConfigError("kv_transfer.timeout_s must be > 0 seconds")
         if self.kv_transfer.chunk_bytes < 1024:
             raise ConfigError("kv_transfer.chunk_bytes must be at least 1024")
         if self.prefill.kv_lease_s <= 0:

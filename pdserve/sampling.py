@@ -15,6 +15,8 @@ from pdserve.errors import InvalidRequestError
 
 # Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS (1e-5) does.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass
@@ -35,6 +37,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: tuple[str, ...] = field(default_factory=tuple)
 
     def validate(self, num_prompt_tokens: int, max_model_len: int) -> None:
         """Raise InvalidRequestError naming the first bad field.
@@ -59,15 +63,27 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if self.seed is not None and self.seed < 0:
             raise InvalidRequestError(f"seed must be >= 0, got {self.seed}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams, position: int, num_generated: int = 0,
+           eos_token_ids: frozenset[int] = frozenset()) -> int:
     """Pick one token id from ``logits: [vocab]``.
 
     position: index of the token being sampled in the whole sequence; with a
     seed, the random stream is keyed by (seed, position), so the choice does
-    not depend on batching or on which worker samples it.
+    not depend on batching or on which worker samples it. num_generated: tokens
+    generated before this one; below ``params.min_tokens`` EOS (``eos_token_ids``,
+    unless ignore_eos) and the stop tokens cannot be picked.
     """
+    if num_generated < params.min_tokens:
+        banned = [*params.stop_token_ids, *([] if params.ignore_eos else eos_token_ids)]
+        if banned:
+            logits = logits.clone()
+            logits[torch.tensor(banned, dtype=torch.long)] = -math.inf
     if params.temperature < GREEDY_BELOW_TEMPERATURE:  # 0, or so small that logits/T overflows
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
@@ -88,7 +104,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
 
 def finish_reason(token_id: int, num_generated: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> str | None:
     """Return "stop", "length" or None after ``token_id`` became generated token number ``num_generated`` (1-based)."""
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+    stops = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)
+    if stops and num_generated > params.min_tokens:  # (sample() keeps them out before that)
         return "stop"
     if num_generated >= params.max_tokens:
         return "length"

@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from kv_transfer.factory import shm_pool_path
+from kv_transfer.fingerprint import KVFingerprint
 from pdserve.config import ClusterConfig, ConfigError, PoolConfig
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.kv_cache import PagedKVCache
@@ -56,8 +58,12 @@ def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str) 
     )
 
 
-def build_engine(cfg: ClusterConfig, pool_name: str) -> Engine:
-    """Set torch threads to this actor's CPUs, load the model and build its Engine."""
+def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerprint]:
+    """Set torch threads to this actor's CPUs, load the model and build its Engine.
+
+    A prefill worker whose KV backend offers shm gets its KV pool in a shared-memory file.
+    Returns the engine and this worker's KV fingerprint. Raises ConfigError.
+    """
     num_threads = assigned_num_cpus()
     torch.set_num_threads(num_threads)
     model_dir = resolve_model_dir(cfg.model.path)
@@ -66,5 +72,12 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> Engine:
     max_len = max_model_len(cfg, model.config)
     spec = KVSpec.from_model_config(model.config, model.dtype)
     config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name)
-    log.info("%s: %s (%s), %d torch threads, %s", pool_name, model_dir, cfg.model.dtype, num_threads, config)
-    return Engine(model, config, eos_token_ids(model, tokenizer), max_len)
+    fingerprint = KVFingerprint.of(model, tokenizer, cfg.model.path, config.block_size)
+    shm_path = None
+    if pool_name == "prefill":
+        try:
+            shm_path = shm_pool_path(cfg.kv_transfer, config.num_blocks * config.block_size * spec.bytes_per_token)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    log.info("%s: %s (%s), %d torch threads, %s, KV pool in %s", pool_name, model_dir, cfg.model.dtype, num_threads, config, shm_path or "private memory")
+    return Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_shm_path=shm_path), fingerprint

@@ -31,9 +31,10 @@ class PrefillServer:
 
     def __init__(self, config: dict[str, Any]):
         self.cfg = ClusterConfig.from_dict(config)
-        self.engine = build_engine(self.cfg, "prefill")
+        self.engine, fingerprint = build_engine(self.cfg, "prefill")
         self.loop = EngineLoop(self.engine)
-        self.kv_sender = make_sender(self.cfg.kv_transfer, _node_ip())
+        self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or _node_ip(), fingerprint=fingerprint,
+                                     block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path)
         self.num_requests = 0
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
@@ -70,3 +71,5 @@ class PrefillServer:
             self.kv_sender.close()
         if hasattr(self, "loop"):
             self.loop.close()
+        if hasattr(self, "engine"):
+            self.engine.kv_cache.close()  # removes the shared-memory pool file, if any

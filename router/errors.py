@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.errors import CapacityError, InvalidRequestError, KVTransferError
+from pdserve.errors import CapacityError, InvalidRequestError, KVIncompatibleError, KVTransferError
 
 
 def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -17,6 +17,8 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, _message(exc)
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, _message(exc)
+    if isinstance(exc, KVIncompatibleError):  # a deployment error: the pools run different models
+        return grpc.StatusCode.FAILED_PRECONDITION, _message(exc)
     if isinstance(exc, KVTransferError):
         return grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {_message(exc)}"
     if isinstance(exc, TimeoutError):

@@ -1,17 +1,26 @@
-"""Router: the ingress deployment serving ``pdserve.rpc.Generator`` on Ray Serve's gRPC proxy.
+"""Router: the ingress deployment. It serves ``pdserve.rpc.Generator`` on Ray Serve's gRPC
+proxy and the OpenAI-compatible HTTP API (router/openai_api.py) on its HTTP proxy.
 
 The request path is one linear coroutine (``_generate``):
 tokenize + validate -> prefill pool (first token, KV handle) -> decode pool
-(fetches the KV, streams the rest) -> detokenize and stream to the client.
+(fetches the KV, streams the rest) -> detokenize, apply stop strings, stream to the client.
+
+(No ``from __future__ import annotations`` here: FastAPI reads the route signatures'
+annotations at runtime, through Ray Serve's class-based ingress.)
 """
 
-from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any, AsyncIterator
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
 from transformers import AutoConfig
+
+from router import openai_api as oa
 
 from pdserve.config import ClusterConfig
 from pdserve.detokenizer import IncrementalDetokenizer
@@ -21,7 +30,8 @@ from pdserve.model_loader import load_tokenizer, resolve_model_dir
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from pdserve.worker import max_model_len
-from router.errors import grpc_status_for
+from router.errors import _message, grpc_status_for
+from router.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +43,10 @@ def served_model_name(cfg: ClusterConfig) -> str:
     return cfg.model.path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
 
 
+app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
+
+
+@serve.ingress(app)
 class Router:
     def __init__(self, prefill, decode, config: dict[str, Any]):
         self.prefill = prefill  # DeploymentHandle of PrefillServer
@@ -44,21 +58,29 @@ class Router:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len(self.cfg, model_config)
         self.model_name = served_model_name(self.cfg)
+        self.created = int(time.time())
 
     # -- parsing ---------------------------------------------------------------
+
+    def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+        for role, _ in messages:
+            if role not in CHAT_ROLES:
+                raise InvalidRequestError(f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+        if not any(content.strip() for _, content in messages):
+            raise InvalidRequestError("prompt is empty: every message has empty content")
+        chat = [{"role": role, "content": content} for role, content in messages]
+        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"])
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise InvalidRequestError(f"unknown model {model!r}; this cluster serves {self.model_name!r}")
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         given = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
         if sum(given) > 1:
             raise InvalidRequestError("set only one of prompt, messages and prompt_token_ids")
         if request.messages:
-            for m in request.messages:
-                if m.role not in CHAT_ROLES:
-                    raise InvalidRequestError(f"message role {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
-            if not any(m.content.strip() for m in request.messages):
-                raise InvalidRequestError("prompt is empty: every message has empty content")
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+            return self._chat_ids([(m.role, m.content) for m in request.messages])
         if request.prompt_token_ids:
             ids = list(request.prompt_token_ids)
             self._check_token_ids("prompt_token_ids", ids)
@@ -73,13 +95,12 @@ class Router:
     def _params(self, p: pb.SamplingParams) -> SamplingParams:
         self._check_token_ids("stop_token_ids", list(p.stop_token_ids))
         return SamplingParams(
-            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-            **{name: getattr(p, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed") if p.HasField(name)},
+            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, stop=tuple(p.stop),
+            **{name: getattr(p, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens") if p.HasField(name)},
         )
 
     def _parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        if request.model and request.model != self.model_name:
-            raise InvalidRequestError(f"unknown model {request.model!r}; this cluster serves {self.model_name!r}")
+        self._check_model(request.model)
         prompt_ids = self._prompt_ids(request)
         params = self._params(request.params)
         params.validate(len(prompt_ids), self.max_model_len)
@@ -106,18 +127,117 @@ class Router:
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
         return pb.HealthResponse(ok=True, model=self.model_name, max_model_len=self.max_model_len)
 
+    # -- OpenAI-compatible HTTP -------------------------------------------------
+
+    @app.get("/health")
+    async def http_health(self) -> dict:
+        return {"status": "ok", "model": self.model_name}
+
+    @app.get("/v1/models")
+    async def http_models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "pdserve", "max_model_len": self.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def http_completions(self, request: Request):
+        return await self._http(await request.body(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def http_chat_completions(self, request: Request):
+        return await self._http(await request.body(), chat=True)
+
+    def _parse_http(self, body: bytes, chat: bool) -> tuple[Any, list[int], SamplingParams]:
+        if chat:
+            req = oa.parse(oa.ChatCompletionRequest, body)
+            self._check_model(req.model)
+            prompt_ids = self._chat_ids([(m.role, m.text()) for m in req.messages])
+            if req.max_completion_tokens is not None:
+                req.max_tokens = req.max_completion_tokens
+            params = req.sampling_params(default_max_tokens=max(1, self.max_model_len - len(prompt_ids)))
+        else:
+            req = oa.parse(oa.CompletionRequest, body)
+            self._check_model(req.model)
+            text, ids = oa.completion_prompt(req)
+            if ids is not None:
+                self._check_token_ids("prompt", ids)
+            prompt_ids = ids if ids is not None else (list(self.tokenizer(text).input_ids) if text else [])
+            params = req.sampling_params(default_max_tokens=16)
+        self._check_token_ids("stop_token_ids", list(params.stop_token_ids))
+        params.validate(len(prompt_ids), self.max_model_len)
+        return req, prompt_ids, params
+
+    async def _http(self, body: bytes, chat: bool):
+        """One OpenAI request: errors before the first token get their HTTP status and
+        OpenAI's error shape; a stream that fails later ends with an error event."""
+        rid = oa.new_id("chatcmpl" if chat else "cmpl")
+        try:
+            req, prompt_ids, params = self._parse_http(body, chat)
+            stream = self._generate(uuid.uuid4().hex, rid, prompt_ids, params)
+            first = await stream.__anext__()
+        except Exception as e:  # noqa: BLE001 - every error gets a status and a message
+            return self._http_error(e)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._sse(rid, chat, first, stream, include_usage), media_type="text/event-stream")
+        text, last = first.text, first
+        try:
+            async for chunk in stream:
+                text, last = text + chunk.text, chunk
+        except Exception as e:  # noqa: BLE001
+            return self._http_error(e)
+        make = oa.chat_response if chat else oa.completion_response
+        return make(rid, self.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+    async def _sse(self, rid: str, chat: bool, first: pb.GenerateResponse, stream, include_usage: bool):
+        created, last = int(time.time()), first
+        try:
+            if chat:
+                yield oa.sse(oa.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None))
+            chunk = first
+            while True:
+                reason = chunk.finish_reason or None
+                if chat:
+                    delta = {"content": chunk.text} if chunk.text else {}
+                    yield oa.sse(oa.chat_chunk(rid, self.model_name, created, delta, reason))
+                else:
+                    yield oa.sse(oa.completion_chunk(rid, self.model_name, created, chunk.text, reason))
+                last = chunk
+                if reason:
+                    break
+                chunk = await stream.__anext__()
+            if include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield oa.sse(oa.usage_chunk(rid, self.model_name, created, obj, last.prompt_tokens, last.completion_tokens))
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
+            status, kind = oa.error_status(e)
+            yield oa.sse(oa.error_body(_message(e), kind, status))
+        finally:
+            await stream.aclose()
+        yield oa.sse("[DONE]")
+
+    def _http_error(self, exc: BaseException) -> JSONResponse:
+        status, kind = oa.error_status(exc)
+        if status == 500:
+            log.error("request failed", exc_info=exc)
+        return JSONResponse(oa.error_body(_message(exc), kind, status), status_code=status)
+
     # -- the request path -------------------------------------------------------
 
     async def _generate(
         self, request_id: str, client_request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[pb.GenerateResponse]:
         detok = IncrementalDetokenizer(self.tokenizer)
+        stop = StopStringMatcher(params.stop)
         num_prompt, num_generated = len(prompt_ids), 0
 
         def response(token_ids: list[int], finish_reason: str | None) -> pb.GenerateResponse:
             nonlocal num_generated
             num_generated += len(token_ids)
-            text = detok.add(token_ids) + (detok.finish() if finish_reason else "")
+            text = stop.push(detok.add(token_ids) + (detok.finish() if finish_reason else ""))
+            if stop.matched is not None:
+                finish_reason = "stop"
+            elif finish_reason:
+                text += stop.flush()
             return pb.GenerateResponse(
                 request_id=client_request_id, token_ids=token_ids, text=text, finish_reason=finish_reason or "",
                 prompt_tokens=num_prompt, completion_tokens=num_generated,
@@ -129,14 +249,20 @@ class Router:
             return
         stream, finished = None, False
         try:
-            yield response([first.first_token], None)
+            chunk = response([first.first_token], None)
+            yield chunk
+            if chunk.finish_reason:  # a stop string in the first token's text
+                return
             decode_request = DecodeRequest(request_id, prompt_ids, first.first_token, params, first.kv)
             stream = self.decode.options(stream=True).generate.remote(decode_request)
-            async for chunk in stream:
-                finished = chunk.finish_reason is not None
-                yield response(chunk.token_ids, chunk.finish_reason)
+            async for item in stream:
+                finished = item.finish_reason is not None
+                chunk = response(item.token_ids, item.finish_reason)
+                yield chunk
+                if chunk.finish_reason:  # finished, or a stop string: the decode stream is cancelled below
+                    return
         finally:
-            if not finished:  # cancelled or failed: free both sides now (a no-op where already freed)
+            if not finished:  # cancelled, failed or stopped by a stop string: free both sides now
                 if stream is not None:
                     stream.cancel()
                 self.prefill.release.remote(first.kv.transfer_id)

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from conftest import reference_generate, tiny_model
-from kv_transfer.grpc_backend import GrpcKVReceiver, GrpcKVSender
+from kv_transfer.client import KVClient
+from kv_transfer.server import KVServer
 from kv_transfer.paged import PagedKVSink, PagedKVSource
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.loop import EngineLoop
@@ -21,7 +22,7 @@ def test_kv_goes_from_prefill_blocks_to_decode_blocks(family):
     reference = tiny_model(family)
     prefill = Engine(tiny_model(family), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=48, chunk_size=32), EOS, 512)
     decode = Engine(tiny_model(family), EngineConfig(num_blocks=64, block_size=4), EOS, 512)
-    sender, receiver = GrpcKVSender("127.0.0.1", chunk_bytes=512), GrpcKVReceiver()
+    sender, receiver = KVServer("127.0.0.1", chunk_bytes=512), KVClient("grpc")
     prompts = random_prompts([1, 6, 16, 33, 50], seed=3)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     try:
@@ -38,8 +39,7 @@ def test_kv_goes_from_prefill_blocks_to_decode_blocks(family):
         seqs = []
         for seq, p, handle in zip(pre, prompts, handles):
             blocks = decode.reserve(len(p))
-            receiver.fetch(handle, PagedKVSink(decode.kv_cache, blocks, len(p)), timeout_s=10)
-            assert receiver.release(handle, timeout_s=5)
+            assert receiver.fetch(handle, PagedKVSink(decode.kv_cache, blocks, len(p)), timeout_s=10) == "grpc"
             seqs.append(Sequence(seq.request_id, [*p, seq.token_ids[-1]], len(p), params, num_computed_tokens=len(p), block_table=blocks))
         for seq in seqs:
             decode.add(seq)

@@ -219,6 +219,108 @@ def test_cancelled_streams_release_everything(cluster, reference):
     assert cluster.generate(prompt_token_ids=prompt, max_tokens=6).token_ids == want
 
 
+# -- sampling and stop semantics (gRPC) ------------------------------------------------
+
+def test_stop_string_ends_the_text_before_it_streamed_or_not(cluster, reference):
+    model, tokenizer = reference
+    prompt = text_prompt(tokenizer, 30)
+    full = tokenizer.decode(reference_generate(model, prompt, 24, ignore_eos=True), skip_special_tokens=True)
+    word = full.split()[3]  # a word well inside the greedy answer
+    stop = word[1:] if len(word) > 2 else word  # starts mid-token: matched on text, across token boundaries
+    want = full[: full.index(stop)]
+    result = cluster.generate(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True, stop=[stop, "zzzz-never"])
+    assert result.text == want and result.finish_reason == "stop"
+    chunks = [c.text for c in cluster.stream(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True, stop=[stop])]
+    assert "".join(chunks) == want and not any(stop in c for c in chunks)
+
+
+def test_min_tokens_holds_even_when_the_first_token_would_stop(cluster, reference):
+    model, tokenizer = reference
+    prompt = text_prompt(tokenizer, 20)
+    first = reference_generate(model, prompt, 1, ignore_eos=True)[0]
+    stopped = cluster.generate(prompt_token_ids=prompt, max_tokens=8, stop_token_ids=[first])
+    assert stopped.token_ids == [] and stopped.finish_reason == "stop"
+    held = cluster.generate(prompt_token_ids=prompt, max_tokens=8, stop_token_ids=[first], min_tokens=3)
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
+
+
+# -- OpenAI-compatible HTTP, through the real openai client --------------------------------
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_models_and_health(oai):
+    import urllib.request
+
+    assert [m.id for m in oai.models.list().data] == ["smollm2"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{HTTP_PORT}/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def test_openai_completion_equals_reference_streamed_or_not(oai, reference):
+    model, tokenizer = reference
+    prompt = text_prompt(tokenizer, 40)
+    want_ids = reference_generate(model, prompt, 20, ignore_eos=True)
+    want = tokenizer.decode(want_ids, skip_special_tokens=True)
+    done = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    assert done.choices[0].text == want and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (40, 20, 60)
+    chunks = list(oai.completions.create(model="smollm2", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_openai_chat_streamed_equals_non_streamed(oai, reference):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    done = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+    text = done.choices[0].message.content
+    assert "Paris" in text and done.choices[0].message.role == "assistant"
+    chunks = list(oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
+
+
+def test_openai_stop_string_is_not_returned(oai):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0).choices[0].message.content
+    cut = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0, stop=["Paris"])
+    assert cut.choices[0].message.content == full[: full.index("Paris")] and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"model": "gpt-4"}, "unknown model"),
+    ({"max_tokens": 9000}, "exceeds the model's context"),
+    ({"n": 2}, "unsupported parameter"),
+    ({"temperature": -1}, "temperature"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"logprobs": 2}, "unsupported parameter"),
+])
+def test_openai_bad_input_is_a_400_in_openai_shape(oai, kwargs, message):
+    import openai
+
+    args = {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError, match=message) as info:
+        oai.completions.create(**args)
+    assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"
+
+
+def test_openai_malformed_body_is_a_400(cluster):
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{HTTP_PORT}/v1/chat/completions", data=b'{"messages": "hi"}',
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert info.value.code == 400 and "messages" in json.loads(info.value.read())["error"]["message"]
+
+
 def test_nothing_is_left_held_or_running(cluster):
     prefill, decode = pool_stats("prefill"), pool_stats("decode")
     assert prefill["num_held"] == 0 and prefill["bytes_held"] == 0

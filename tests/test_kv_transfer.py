@@ -1,20 +1,32 @@
-"""KV transfer over real gRPC on loopback: round trip, leases, faults, layout checks."""
+"""KV transfer over real gRPC on loopback and real shared memory: round trips, leases,
+fingerprints, injected faults, and 500 transfers with random cancellations."""
 
+import asyncio
+import random
+import threading
 import time
-from concurrent import futures
 
-import grpc
 import pytest
 import torch
 
+from decode_worker.server import receive_kv
+from kv_transfer import shm_backend
 from kv_transfer.base import KVHandle, TensorKVSink, TensorKVSource
-from kv_transfer.grpc_backend import GrpcKVReceiver, GrpcKVSender, _KVServicer, iter_chunks
+from kv_transfer.client import KVClient
+from kv_transfer.fingerprint import KVFingerprint
+from kv_transfer.grpc_backend import iter_chunks
 from kv_transfer.lease import LeaseTable
-from pdserve.errors import KVNotFoundError, KVTransferError
+from kv_transfer.loopback import LoopbackKVReceiver, LoopbackKVSender
+from kv_transfer.paged import PagedKVSource
+from kv_transfer.server import KVServer
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.errors import KVIncompatibleError, KVNotFoundError, KVTransferError
 from pdserve.kv_layout import KVSpec
-from pdserve.rpc import kv_pb2_grpc
 
 SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+NODE = "node-a"
+needs_shm = pytest.mark.skipif(not shm_backend.available(), reason="no C compiler for the shm backend")
 
 
 def random_kv(spec: KVSpec, num_tokens: int) -> TensorKVSource:
@@ -31,46 +43,44 @@ def fetch(receiver, handle, spec, timeout_s=10):
 
 @pytest.fixture
 def sender():
-    s = GrpcKVSender("127.0.0.1", chunk_bytes=1024)
+    s = KVServer("127.0.0.1", chunk_bytes=1024, node_id=NODE)
     yield s
     s.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 17, 300])
-def test_round_trip_is_bit_exact_and_released(dtype, num_tokens):
+def test_grpc_round_trip_is_bit_exact_and_acknowledged(sender, dtype, num_tokens):
     spec = KVSpec(3, 2, 8, dtype)
-    sender = GrpcKVSender("127.0.0.1", chunk_bytes=1024)  # small chunks: many per layer
-    receiver = GrpcKVReceiver()
-    try:
-        source = random_kv(spec, num_tokens)
-        handle = sender.put("req-1", source, lease_s=30)
-        got = fetch(receiver, handle, spec)
-        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), source.kv.view(torch.uint8))
-        assert sender.stats()["num_held"] == 1
-        assert receiver.release(handle, timeout_s=5) is True
-        assert sender.stats() == {"num_held": 0, "bytes_held": 0, "num_released": 1, "num_expired": 0}
-        with pytest.raises(KVNotFoundError):
-            fetch(receiver, handle, spec)
-        assert receiver.release(handle, timeout_s=5) is False
-    finally:
-        receiver.close()
-        sender.close()
+    receiver = KVClient("grpc", node_id=NODE)
+    source = random_kv(spec, num_tokens)
+    handle = sender.put("req-1", source, lease_s=30)
+    got = fetch(receiver, handle, spec)  # chunk_bytes=1024: many chunks per layer
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), source.kv.view(torch.uint8))
+    # the fetch acknowledged it: the sender has already let go
+    assert sender.stats() == {"num_held": 0, "bytes_held": 0, "num_released": 1, "num_expired": 0}
+    assert sender.pop_finished() == [("req-1", "released")] and sender.pop_finished() == []
+    with pytest.raises(KVNotFoundError):
+        fetch(receiver, handle, spec)
+    assert receiver.release(handle, timeout_s=5) is False
+    assert receiver.stats()["num_fetched_grpc"] == 1
+    receiver.close()
 
 
 def test_chunks_respect_the_byte_budget():
-    messages = list(iter_chunks("x", random_kv(SPEC, 100), chunk_bytes=1024))
+    messages = list(iter_chunks("x", random_kv(SPEC, 100), chunk_bytes=1024, block_size=16))
     header, chunks = messages[0].header, [m.chunk for m in messages[1:]]
-    assert header.num_chunks == len(chunks) > SPEC.num_layers
+    assert header.num_chunks == len(chunks) > SPEC.num_layers and header.block_size == 16
     assert all(len(c.key) + len(c.value) <= 1024 for c in chunks)
     assert sum(c.num_tokens for c in chunks) == 100 * SPEC.num_layers
 
 
 def test_lease_expires_and_frees(sender):
-    receiver = GrpcKVReceiver()
+    receiver = KVClient("grpc")
     handle = sender.put("req-2", random_kv(SPEC, 5), lease_s=0.2)
     time.sleep(1.0)  # the reaper runs every 0.5 s
     assert sender.stats()["num_held"] == 0 and sender.stats()["num_expired"] == 1
+    assert sender.pop_finished() == [("req-2", "expired")]
     with pytest.raises(KVNotFoundError, match="released or lease expired"):
         fetch(receiver, handle, SPEC)
     receiver.close()
@@ -95,43 +105,231 @@ def test_lease_table_refuses_a_duplicate_id():
 )
 def test_layout_mismatch_names_the_field(sender, field, spec):
     handle = sender.put("req-3", random_kv(SPEC, 4), lease_s=30)
-    receiver = GrpcKVReceiver()
+    receiver = KVClient("grpc")
     with pytest.raises(KVTransferError, match=field):
         fetch(receiver, handle, spec)
     receiver.close()
 
 
-class _CorruptingServicer(_KVServicer):
-    """Flips one payload byte after the CRC was computed (a fault injected on the wire)."""
-
-    def FetchKV(self, request, context):
-        for i, msg in enumerate(super().FetchKV(request, context)):
-            if i == 2:
-                value = bytearray(msg.chunk.value)
-                value[0] ^= 0xFF
-                msg.chunk.value = bytes(value)
-            yield msg
-
-
-def test_checksum_failure_is_detected():
-    table = LeaseTable()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    kv_pb2_grpc.add_KVTransferServicer_to_server(_CorruptingServicer(table, 1024), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        table.hold("req-4", random_kv(SPEC, 50), 30)
-        receiver = GrpcKVReceiver()
-        with pytest.raises(KVTransferError, match="checksum"):
-            fetch(receiver, KVHandle("grpc", f"127.0.0.1:{port}", "req-4", 50), SPEC)
-        receiver.close()
-    finally:
-        server.stop(None)
-        table.close()
-
-
 def test_unreachable_sender_is_a_transfer_error():
-    receiver = GrpcKVReceiver()
+    receiver = KVClient("grpc")
     with pytest.raises(KVTransferError, match="UNAVAILABLE|DEADLINE"):
         fetch(receiver, KVHandle("grpc", "127.0.0.1:1", "nope", 4), SPEC, timeout_s=2)
     receiver.close()
+
+
+# -- fingerprints ------------------------------------------------------------------
+
+FP = KVFingerprint("smollm2", "w" * 32, "float32", 3, 2, 8, 16, "t" * 32)
+OTHER = {"model_id": "llama", "weights_hash": "x" * 32, "dtype": "bfloat16", "num_layers": 4, "num_kv_heads": 1,
+         "head_dim": 16, "block_size": 32, "tokenizer_hash": "y" * 32}
+
+
+@pytest.mark.parametrize("field", list(OTHER))
+def test_incompatible_prefill_worker_is_refused_naming_the_field(field):
+    sender = KVServer("127.0.0.1", fingerprint=KVFingerprint(**{**FP.to_dict(), field: OTHER[field]}))
+    receiver = KVClient("grpc", fingerprint=FP)
+    try:
+        handle = sender.put("req-fp", random_kv(SPEC, 4), lease_s=30)
+        with pytest.raises(KVIncompatibleError, match=field) as info:
+            fetch(receiver, handle, SPEC)
+        assert info.value.field == field
+        assert receiver.release(handle, 5) and sender.stats()["num_held"] == 0
+        # loopback checks the same way
+        lb_sender, lb_receiver = LoopbackKVSender(sender.fingerprint), LoopbackKVReceiver(FP)
+        with pytest.raises(KVIncompatibleError, match=field):
+            fetch(lb_receiver, lb_sender.put("x", random_kv(SPEC, 2), 30), SPEC)
+        lb_sender.close()
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_matching_fingerprints_handshake_once_per_sender_instance():
+    sender = KVServer("127.0.0.1", fingerprint=FP)
+    receiver = KVClient("grpc", fingerprint=FP)
+    try:
+        for i in range(3):
+            fetch(receiver, sender.put(f"r{i}", random_kv(SPEC, 3), 30), SPEC)
+        assert receiver._verified == {(sender.address, sender.instance_id)}
+    finally:
+        receiver.close()
+        sender.close()
+
+
+# -- faults ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, error, match", [
+    ("timeout", KVTransferError, "DEADLINE_EXCEEDED"),
+    ("break", KVTransferError, "UNAVAILABLE"),
+    ("corrupt", KVTransferError, "checksum"),
+    ("expire", KVNotFoundError, "released or lease expired"),
+])
+def test_grpc_faults_are_detected_and_nothing_is_held_after_release(sender, kind, error, match):
+    receiver = KVClient("grpc")
+    sender.faults.stall_s = 3.0
+    sender.faults.arm(kind)
+    handle = sender.put(f"f-{kind}", random_kv(SPEC, 100), lease_s=30)
+    time.sleep(0.6 if kind == "expire" else 0)  # let the reaper take the expired lease
+    with pytest.raises(error, match=match):
+        fetch(receiver, handle, SPEC, timeout_s=1.0)
+    receiver.release(handle, 5)  # what a decode worker does after a failed fetch
+    assert sender.stats()["num_held"] == 0
+    receiver.close()
+
+
+# -- shm -------------------------------------------------------------------------------
+
+def paged_pair(tmp_path, num_blocks=64, block_size=4, spec=SPEC):
+    """(prefill pool in a shm file + its block manager, decode pool + its block manager)"""
+    src = PagedKVCache(spec, num_blocks, block_size, shm_path=str(tmp_path / "pool"))
+    dst = PagedKVCache(spec, num_blocks, block_size)
+    return (src, BlockManager(num_blocks, block_size)), (dst, BlockManager(num_blocks, block_size))
+
+
+def fill_prompt(cache: PagedKVCache, manager: BlockManager, num_tokens: int) -> list[int]:
+    blocks = manager.allocate_blocks(manager.num_blocks_for(num_tokens))
+    slots = cache.slots(blocks, 0, num_tokens)
+    for layer in range(cache.spec.num_layers):
+        shape = (cache.spec.num_kv_heads, num_tokens, cache.spec.head_dim)
+        cache.write(layer, slots, torch.randn(shape).to(cache.spec.dtype), torch.randn(shape).to(cache.spec.dtype))
+    return blocks
+
+
+@needs_shm
+@pytest.mark.parametrize("mode", ["shm", "auto"])
+@pytest.mark.parametrize("num_tokens", [1, 4, 37])
+def test_shm_copies_block_to_block_bit_exact(tmp_path, mode, num_tokens):
+    (src, src_mgr), (dst, dst_mgr) = paged_pair(tmp_path)
+    sender = KVServer("127.0.0.1", backend=mode, block_size=4, shm_path=src.shm_path, node_id=NODE)
+    receiver = KVClient(mode, node_id=NODE)
+    try:
+        blocks = fill_prompt(src, src_mgr, num_tokens)
+        handle = sender.put("s1", PagedKVSource(src, blocks, num_tokens, src_mgr.free_blocks), 30)
+        dst_blocks = dst_mgr.allocate_blocks(dst_mgr.num_blocks_for(num_tokens))
+        assert asyncio.run(receive_kv(dst, receiver, handle, dst_blocks, num_tokens, 10)) == "shm"
+        for layer in range(SPEC.num_layers):
+            want = src.read(layer, src.slots(blocks, 0, num_tokens))
+            got = dst.read(layer, dst.slots(dst_blocks, 0, num_tokens))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert src_mgr.num_free_blocks == src_mgr.num_blocks  # acknowledged: prefill's blocks are free
+        assert sender.stats()["num_held"] == 0 and receiver.stats()["num_fetched_shm"] == 1
+        # any sink works too (token rows), checked against the sender's checksums
+        blocks = fill_prompt(src, src_mgr, num_tokens)
+        handle = sender.put("s2", PagedKVSource(src, blocks, num_tokens, src_mgr.free_blocks), 30)
+        got = fetch(receiver, handle, SPEC)
+        assert torch.equal(got[0, 0], src.read(0, src.slots(blocks, 0, num_tokens))[0])
+    finally:
+        receiver.close()
+        sender.close()
+        src.close()
+
+
+@needs_shm
+def test_auto_uses_grpc_for_another_node_and_shm_refuses_it(tmp_path):
+    (src, src_mgr), (dst, dst_mgr) = paged_pair(tmp_path)
+    sender = KVServer("127.0.0.1", backend="auto", block_size=4, shm_path=src.shm_path, node_id="node-b")
+    auto, shm = KVClient("auto", node_id=NODE), KVClient("shm", node_id=NODE)
+    try:
+        blocks = fill_prompt(src, src_mgr, 9)
+        handle = sender.put("x1", PagedKVSource(src, blocks, 9, src_mgr.free_blocks), 30)
+        assert auto.transport_for(handle) == "grpc"
+        with pytest.raises(KVTransferError, match="another node"):
+            fetch(shm, handle, SPEC)
+        dst_blocks = dst_mgr.allocate_blocks(3)
+        assert asyncio.run(receive_kv(dst, auto, handle, dst_blocks, 9, 10)) == "grpc"
+        assert torch.equal(dst.read(2, dst.slots(dst_blocks, 0, 9))[1], src.read(2, src.slots(blocks, 0, 9))[1])
+    finally:
+        auto.close()
+        shm.close()
+        sender.close()
+        src.close()
+
+
+@needs_shm
+@pytest.mark.parametrize("kind, error, match", [
+    ("timeout", KVTransferError, "DEADLINE_EXCEEDED"),
+    ("break", KVTransferError, "UNAVAILABLE"),
+    ("corrupt", KVTransferError, "checksum"),
+    ("expire", KVNotFoundError, "released or lease expired"),
+])
+def test_shm_faults_are_detected(tmp_path, kind, error, match):
+    (src, src_mgr), (dst, dst_mgr) = paged_pair(tmp_path)
+    sender = KVServer("127.0.0.1", backend="shm", block_size=4, shm_path=src.shm_path, node_id=NODE)
+    receiver = KVClient("shm", node_id=NODE)
+    try:
+        sender.faults.stall_s = 3.0
+        sender.faults.arm(kind)
+        blocks = fill_prompt(src, src_mgr, 20)
+        handle = sender.put("f", PagedKVSource(src, blocks, 20, src_mgr.free_blocks), 30)
+        time.sleep(0.6 if kind == "expire" else 0)
+        dst_blocks = dst_mgr.allocate_blocks(5)
+        with pytest.raises(error, match=match):
+            asyncio.run(receive_kv(dst, receiver, handle, dst_blocks, 20, 1.0))
+        receiver.release(handle, 5)
+        assert sender.stats()["num_held"] == 0 and src_mgr.num_free_blocks == src_mgr.num_blocks
+    finally:
+        receiver.close()
+        sender.close()
+        src.close()
+
+
+# -- ownership under random cancellation --------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["grpc", pytest.param("shm", marks=needs_shm)])
+def test_500_transfers_with_random_cancellations_leave_nothing_held(tmp_path, mode):
+    """Each transfer is cancelled at a random stage (before the fetch, during it, after
+    it), fails by an injected fault, or completes; afterwards both pools have every
+    block free and the sender holds no lease."""
+    spec = KVSpec(4, 2, 16, torch.bfloat16)
+    (src, src_mgr), (dst, dst_mgr) = paged_pair(tmp_path, num_blocks=256, block_size=4, spec=spec)
+    sender = KVServer("127.0.0.1", backend=mode, chunk_bytes=2048, block_size=4, shm_path=src.shm_path, node_id=NODE)
+    sender.faults.stall_s = 0.3
+    receiver = KVClient(mode, node_id=NODE)
+    rng = random.Random(0)
+    outcomes: dict[str, int] = {}
+
+    async def one(i: int) -> None:
+        num_tokens = rng.randint(1, 120)
+        stage = rng.choice(["complete", "before_fetch", "during_fetch", "after_fetch", "fault"])
+        if stage == "fault":
+            sender.faults.arm(rng.choice(["timeout", "break", "corrupt", "expire"]))
+        blocks = fill_prompt(src, src_mgr, num_tokens)
+        handle = sender.put(f"t{i}", PagedKVSource(src, blocks, num_tokens, src_mgr.free_blocks), lease_s=0.05 if stage == "fault" else 30)
+        if stage == "before_fetch":  # the client left while prefill ran: the router releases
+            await asyncio.to_thread(receiver.release, handle, 5)
+            outcomes[stage] = outcomes.get(stage, 0) + 1
+            return
+        dst_blocks = dst_mgr.allocate_blocks(dst_mgr.num_blocks_for(num_tokens))
+        task = asyncio.ensure_future(receive_kv(dst, receiver, handle, dst_blocks, num_tokens, 0.25))
+        if stage == "during_fetch":
+            await asyncio.sleep(rng.random() * 0.003)
+            task.cancel()
+        try:
+            await task
+            result = "ok"
+        except asyncio.CancelledError:
+            result = "cancelled"
+        except KVTransferError:
+            result = "failed"
+        if result != "ok":
+            await asyncio.to_thread(receiver.release, handle, 5)
+        dst_mgr.free_blocks(dst_blocks)  # decode frees its blocks when the request ends, whatever happened
+        outcomes[f"{stage}:{result}"] = outcomes.get(f"{stage}:{result}", 0) + 1
+
+    async def main():
+        for start in range(0, 500, 10):
+            await asyncio.gather(*(one(i) for i in range(start, start + 10)))
+
+    try:
+        asyncio.run(main())
+        time.sleep(0.6)  # the reaper takes leases that expired without a fetch
+        assert sender.stats()["num_held"] == 0, outcomes
+        assert src_mgr.num_free_blocks == src_mgr.num_blocks, outcomes
+        assert dst_mgr.num_free_blocks == dst_mgr.num_blocks, outcomes
+        assert outcomes.get("complete:ok", 0) > 50 and outcomes.get("during_fetch:cancelled", 0) > 10, outcomes
+        assert sum(outcomes.values()) == 500
+    finally:
+        receiver.close()
+        sender.close()
+        src.close()

@@ -56,3 +56,21 @@ def test_finish_reason():
     assert finish_reason(7, 1, SamplingParams(max_tokens=5, stop_token_ids=(7,)), eos) == "stop"
     assert finish_reason(7, 5, SamplingParams(max_tokens=5), eos) == "length"
     assert finish_reason(7, 4, SamplingParams(max_tokens=5), eos) is None
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([0.0, 1.0, 9.0, 5.0, 8.0])  # EOS (2) is the argmax, stop token 4 next
+    params = SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=(4,))
+    eos = frozenset({2})
+    assert sample(logits, params, position=0, num_generated=0, eos_token_ids=eos) == 3
+    assert sample(logits, params, position=1, num_generated=1, eos_token_ids=eos) == 3
+    assert sample(logits, params, position=2, num_generated=2, eos_token_ids=eos) == 2  # reached: EOS allowed
+    assert finish_reason(2, 3, params, eos) == "stop"
+    assert sample(logits, SamplingParams(min_tokens=1, ignore_eos=True), 0, 0, eos) == 2  # ignore_eos: EOS is a token
+
+
+def test_min_tokens_and_stop_strings_are_validated():
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3).validate(1, 100)
+    with pytest.raises(InvalidRequestError, match="stop"):
+        SamplingParams(stop=("",)).validate(1, 100)

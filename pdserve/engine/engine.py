@@ -41,12 +41,13 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int):
+    def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int, kv_shm_path: str | None = None):
+        """``kv_shm_path``: put the KV pool in this shared-memory file (the shm transfer backend)."""
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.kv_spec = KVSpec.from_model_config(model.config, model.dtype)
-        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device)
+        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device, kv_shm_path)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
         if config.optimize and can_pack(model):
@@ -100,7 +101,7 @@ class Engine:
                 self.block_manager.mark_computed(seq, computed_before)
                 if seq.num_uncomputed_tokens > 0:  # a prompt chunk; more to come
                     continue
-                token = sample(row, seq.params, position=seq.num_tokens)
+                token = sample(row, seq.params, position=seq.num_tokens, num_generated=seq.num_generated, eos_token_ids=self.eos_token_ids)
                 seq.token_ids.append(token)
                 seq.finish_reason = finish_reason(token, seq.num_generated, seq.params, self.eos_token_ids)
                 if seq.finish_reason is not None:

@@ -47,18 +47,20 @@ class DescribeKVRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class DescribeKVResponse(_message.Message):
-    __slots__ = ("shm_path", "pool_num_blocks", "block_ids", "num_tokens", "layer_checksums")
+    __slots__ = ("shm_path", "pool_num_blocks", "block_ids", "num_tokens", "layer_checksums", "block_size")
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     shm_path: str
     pool_num_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     layer_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shm_path: _Optional[str] = ..., pool_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_size: int
+    def __init__(self, shm_path: _Optional[str] = ..., pool_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layer_checksums: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
     __slots__ = ("transfer_id",)

@@ -1,0 +1,189 @@
+"""OpenAI-compatible HTTP API: request parsing, response and SSE chunk shapes, errors.
+
+Served by the router deployment as a FastAPI ingress on Ray Serve's HTTP proxy
+(router/server.py holds the routes). Endpoints: ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/health``. Shapes follow the OpenAI API
+reference (https://platform.openai.com/docs/api-reference); sampling extensions that
+vLLM also accepts (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) pass
+through. Parameters pdserve does not implement are refused with a 400 naming them,
+never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdserve.errors import CapacityError, InvalidRequestError, KVIncompatibleError, KVTransferError
+from pdserve.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> list[str]:
+        """Parameters set to something pdserve does not implement."""
+        bad = [name for name, default in (("n", 1), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)) if getattr(self, name) != default]
+        return bad + (["logit_bias"] if self.logit_bias else [])
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+        )
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        return bad + [n for n, ok in (("echo", not self.echo), ("logprobs", self.logprobs is None),
+                                      ("best_of", self.best_of in (None, 1)), ("suffix", not self.suffix)) if not ok]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    role: str
+    content: Union[str, list[TextPart], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        return bad + (["logprobs"] if self.logprobs or self.top_logprobs else [])
+
+
+def parse(model_cls: type[BaseModel], body: bytes) -> Any:
+    """Parse a JSON body; raises InvalidRequestError naming the bad field."""
+    try:
+        request = model_cls.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        raise InvalidRequestError(f"{where}: {err.get('msg', 'invalid')}") from None
+    bad = request.unsupported()
+    if bad:
+        raise InvalidRequestError(f"unsupported parameter(s) for pdserve: {', '.join(bad)}")
+    return request
+
+
+def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int] | None]:
+    """(text, token ids): one of them. Raises InvalidRequestError for a batch of prompts."""
+    p = request.prompt
+    if isinstance(p, str):
+        return p, None
+    if p and all(isinstance(x, int) for x in p):
+        return None, list(p)
+    if len(p) == 1:
+        return (p[0], None) if isinstance(p[0], str) else (None, list(p[0]))
+    raise InvalidRequestError("prompt: send one prompt per request (a list of prompts is not supported)")
+
+
+# -- responses ---------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+def error_status(exc: BaseException) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) for an exception on the request path."""
+    for cls, status, kind in (
+        (InvalidRequestError, 400, "invalid_request_error"),
+        (CapacityError, 429, "rate_limit_error"),
+        (KVIncompatibleError, 500, "server_error"),
+        (KVTransferError, 503, "service_unavailable"),
+        (TimeoutError, 504, "timeout"),
+    ):
+        if isinstance(exc, cls):
+            return status, kind
+    return 500, "server_error"
+
+
+def error_body(message: str, kind: str, status: int) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}

@@ -1,0 +1,112 @@
+"""The prefill and decode worker classes (no Ray Serve), on the real model in float32,
+over each KV backend: the hand-off, its fault policy (recompute / fail), and that every
+block and lease is back at baseline afterwards."""
+
+import asyncio
+
+import pytest
+
+from conftest import reference_generate
+from decode_worker.server import DecodeServer
+from kv_transfer import shm_backend
+from pdserve.errors import KVIncompatibleError, KVTransferError
+from pdserve.messages import DecodeRequest, PrefillRequest
+from pdserve.model_loader import load_model, load_tokenizer
+from pdserve.sampling import SamplingParams
+from prefill_worker.server import PrefillServer
+
+BACKENDS = ["grpc", pytest.param("shm", marks=pytest.mark.skipif(not shm_backend.available(), reason="no C compiler")), "auto"]
+POOL = {"kv_cache_tokens": 2048, "block_size": 16}
+
+
+def config(backend: str, **kv) -> dict:
+    return {"model": {"path": "smollm2", "dtype": "float32", "max_model_len": 1024}, "prefill": {**POOL, "kv_lease_s": 30},
+            "decode": POOL, "kv_transfer": {"backend": backend, "bind_host": "127.0.0.1", "timeout_s": 2.0, **kv}}
+
+
+@pytest.fixture(scope="module")
+def reference(real_model_dir):
+    model, tokenizer = load_model(real_model_dir, "float32"), load_tokenizer(real_model_dir)
+    prompt = tokenizer("The three primary colours are", return_tensors=None)["input_ids"]
+    return prompt, reference_generate(model, prompt, 8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def workers(request):
+    prefill, decode = PrefillServer(config(request.param)), DecodeServer(config(request.param))
+    yield request.param, prefill, decode
+    prefill.__del__()
+    decode.__del__()
+
+
+async def run(prefill: PrefillServer, decode: DecodeServer, prompt: list[int], request_id: str) -> list[int]:
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = await prefill.prefill(PrefillRequest(request_id, prompt, params))
+    tokens = [first.first_token]
+    async for chunk in decode.generate(DecodeRequest(request_id, prompt, first.first_token, params, first.kv)):
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+async def settle(prefill: PrefillServer, decode: DecodeServer) -> tuple[dict, dict]:
+    for _ in range(300):
+        p, d = await prefill.stats(), await decode.stats()
+        if p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]:
+            break
+        await asyncio.sleep(0.02)
+    return p, d
+
+
+def test_hand_off_is_exact_over_each_backend(workers, reference):
+    backend, prefill, decode = workers
+    prompt, want = reference
+    assert asyncio.run(run(prefill, decode, prompt, f"ok-{backend}")) == want
+    p, d = asyncio.run(settle(prefill, decode))
+    assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]
+    used = {"grpc": "grpc", "shm": "shm", "auto": "shm"}[backend]  # auto: same node, so shm
+    assert d[f"kv_num_fetched_{used}"] >= 1
+    assert (prefill.engine.kv_cache.shm_path is not None) == (backend != "grpc")
+
+
+@pytest.mark.parametrize("fault", ["timeout", "break", "corrupt", "expire"])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_fault_policy(workers, reference, fault, policy):
+    """recompute: the decode worker prefills the prompt itself and the answer is still
+    exact; fail: the request fails with a KV transfer error. Nothing leaks either way."""
+    backend, prefill, decode = workers
+    prompt, want = reference
+    decode.cfg.kv_transfer.on_fault = policy
+    prefill.kv_sender.faults.stall_s = 3.0  # past the 2 s fetch deadline
+    before = (asyncio.run(decode.stats()))["num_kv_faults"]
+    prefill.kv_sender.faults.arm(fault)
+    if fault == "expire":  # the lease is put expired; give the reaper its 0.5 s turn
+        prefill.cfg.prefill.kv_lease_s, lease = 0.001, prefill.cfg.prefill.kv_lease_s
+    try:
+        if policy == "recompute":
+            assert asyncio.run(run(prefill, decode, prompt, f"{fault}-{policy}-{backend}")) == want
+        else:
+            with pytest.raises(KVTransferError):
+                asyncio.run(run(prefill, decode, prompt, f"{fault}-{policy}-{backend}"))
+    finally:
+        if fault == "expire":
+            prefill.cfg.prefill.kv_lease_s = lease
+        decode.cfg.kv_transfer.on_fault = "recompute"
+    p, d = asyncio.run(settle(prefill, decode))
+    assert d["num_kv_faults"] == before + 1
+    assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"]
+    assert d["num_free_blocks"] == d["num_blocks"]
+
+
+def test_incompatible_workers_fail_even_under_recompute(workers, reference):
+    backend, prefill, decode = workers
+    prompt, _ = reference
+    fp = prefill.kv_sender.fingerprint
+    prefill.kv_sender.fingerprint = type(fp)(**{**fp.to_dict(), "tokenizer_hash": "0" * 32})
+    prefill.kv_sender.instance_id += "-changed"  # as after a restart: decode handshakes again
+    try:
+        with pytest.raises(KVIncompatibleError, match="tokenizer_hash"):
+            asyncio.run(run(prefill, decode, prompt, f"fp-{backend}"))
+    finally:
+        prefill.kv_sender.fingerprint = fp
+    p, d = asyncio.run(settle(prefill, decode))
+    assert p["num_held"] == 0 and d["num_free_blocks"] == d["num_blocks"]
