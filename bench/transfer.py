@@ -5,6 +5,10 @@ of TTFT that the transfer takes for a 2,048-token prompt.
 Run: ``bash bench/run.sh transfer`` (or ``python -m bench.transfer --help``). Writes a
 table to stdout, ``bench/out/transfer.json`` and ``bench/out/transfer.png``.
 
+Limits measured in the same run: memcpy bandwidth, and grpcio's own streaming rate
+between two processes on loopback (ready-made 1 MiB messages, nothing else done), which
+bounds the grpc backend whatever it does around the transport.
+
 The sender runs in its own process, as a prefill worker does: a KVServer holding KV in
 paged blocks of a pool in shared memory (so it can serve both backends). The receiver
 (this process) fetches into its own paged pool, as a decode worker does, through the
@@ -54,6 +58,49 @@ def _serve(conn, spec_args, num_blocks: int, shm_path: str) -> None:
         conn.send(server.put(transfer_id, PagedKVSource(cache, blocks, num_tokens, manager.free_blocks), 60))
     server.close()
     cache.close()
+
+
+def _raw_grpc_server(conn, message_bytes: int, num_messages: int) -> None:
+    import grpc
+    from concurrent import futures
+
+    payload = b"x" * message_bytes
+
+    def stream(request, context):
+        for _ in range(num_messages):
+            yield payload
+
+    handler = grpc.method_handlers_generic_handler("bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(
+        stream, request_deserializer=bytes, response_serializer=bytes)})
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.max_send_message_length", 64 << 20)])
+    server.add_generic_rpc_handlers((handler,))
+    conn.send(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    conn.recv()
+    server.stop(None)
+
+
+def raw_grpc_bandwidth(message_bytes: int = 1 << 20, total_bytes: int = 256 << 20) -> float:
+    """Bytes/s of grpcio alone streaming ready-made messages between two processes on
+    loopback: the transport's own ceiling here, for the grpc backend's ratio."""
+    import grpc
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_raw_grpc_server, args=(child, message_bytes, total_bytes // message_bytes), daemon=True)
+    proc.start()
+    port = parent.recv()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)])
+    call = channel.unary_stream("/bench.Raw/Stream", request_serializer=bytes, response_deserializer=bytes)
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        received = sum(len(m) for m in call(b""))
+        best = max(best, received / (time.perf_counter() - start))
+    channel.close()
+    parent.send(None)
+    proc.join(timeout=10)
+    return best
 
 
 def kv_spec_of(model_name: str, dtype: str):
@@ -133,11 +180,15 @@ def main() -> None:
     backends = args.backends.split(",")
 
     memcpy = hardware.memcpy_bandwidth()
+    raw_grpc = raw_grpc_bandwidth() if "grpc" in backends else None
     spec = kv_spec_of(args.model, args.dtype)
-    print(f"memcpy {memcpy / 1e9:.2f} GB/s; KV {spec.bytes_per_token} bytes/token ({args.model}, {args.dtype})", flush=True)
+    print(f"memcpy {memcpy / 1e9:.2f} GB/s; grpcio alone {raw_grpc / 1e9 if raw_grpc else float('nan'):.2f} GB/s; "
+          f"KV {spec.bytes_per_token} bytes/token ({args.model}, {args.dtype})", flush=True)
     transfers = measure_transfers(spec, lengths, backends, args.repeats)
     for r in transfers:
         r["fraction_of_memcpy"] = r["bytes_per_s"] / memcpy
+        if r["backend"] == "grpc" and raw_grpc:
+            r["fraction_of_raw_grpc"] = r["bytes_per_s"] / raw_grpc
     prefill_s = prefill_seconds(args.model, args.dtype, args.ttft_tokens)
     ttft = {}
     for backend in backends:
@@ -148,10 +199,12 @@ def main() -> None:
     largest = max(lengths)
     targets = {
         "grpc_gb_per_s_at_largest": by[("grpc", largest)]["bytes_per_s"] / 1e9 if ("grpc", largest) in by else None,
+        "grpc_fraction_of_raw_grpcio_at_largest": by[("grpc", largest)].get("fraction_of_raw_grpc") if ("grpc", largest) in by else None,
         "shm_fraction_of_memcpy_at_largest": by[("shm", largest)]["fraction_of_memcpy"] if ("shm", largest) in by else None,
         **{f"{b}_fraction_of_ttft_at_{args.ttft_tokens}": v["fraction_of_ttft"] for b, v in ttft.items()},
     }
-    result = {"model": args.model, "dtype": args.dtype, "memcpy_bytes_per_s": memcpy, "kv_bytes_per_token": spec.bytes_per_token,
+    result = {"model": args.model, "dtype": args.dtype, "memcpy_bytes_per_s": memcpy, "raw_grpcio_bytes_per_s": raw_grpc,
+              "kv_bytes_per_token": spec.bytes_per_token,
               "transfers": transfers, "ttft": ttft, "targets": targets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

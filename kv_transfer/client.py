@@ -13,8 +13,10 @@ import time
 
 import grpc
 
+from kv_transfer import wire
 from kv_transfer.base import KVHandle, KVReceiver, KVSink
 from kv_transfer.fingerprint import KVFingerprint
+from kv_transfer.malloc import keep_large_allocations
 from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, receive_stream
 from kv_transfer.server import fingerprint_to_proto
 from kv_transfer.shm_backend import ShmReader
@@ -28,6 +30,7 @@ class KVClient(KVReceiver):
     def __init__(self, mode: str = "grpc", fingerprint: KVFingerprint | None = None, node_id: str = ""):
         if mode not in ("grpc", "shm", "auto"):
             raise ValueError(f"unknown KV receive mode {mode!r}")
+        keep_large_allocations()
         self.mode = mode
         self.fingerprint = fingerprint
         self.node_id = node_id
@@ -43,7 +46,11 @@ class KVClient(KVReceiver):
             if address not in self._stubs:
                 channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
                 self._channels.append(channel)
-                self._stubs[address] = kv_pb2_grpc.KVTransferStub(channel)
+                stub = kv_pb2_grpc.KVTransferStub(channel)
+                # chunks decode into views of the received bytes (kv_transfer/wire.py)
+                stub.FetchKV = channel.unary_stream("/pdserve.rpc.KVTransfer/FetchKV", request_serializer=kv_pb2.FetchKVRequest.SerializeToString,
+                                                    response_deserializer=wire.decode_response)
+                self._stubs[address] = stub
             return self._stubs[address]
 
     def _handshake(self, handle: KVHandle, stub, timeout_s: float) -> None:
@@ -77,9 +84,10 @@ class KVClient(KVReceiver):
         try:
             self._handshake(handle, stub, left())
             transport = self.transport_for(handle)
+            sums: list[int] = []
             if transport == "shm":
                 desc = stub.DescribeKV(kv_pb2.DescribeKVRequest(transfer_id=handle.transfer_id), timeout=left())
-                nbytes = self._shm.copy(desc, sink, cancel)
+                nbytes, sums = self._shm.copy(desc, sink, cancel)
             else:
                 stream = stub.FetchKV(kv_pb2.FetchKVRequest(transfer_id=handle.transfer_id), timeout=left())
                 done = threading.Event()
@@ -90,8 +98,11 @@ class KVClient(KVReceiver):
                 finally:
                     done.set()
                     stream.cancel()
-            if not stub.ReleaseKV(kv_pb2.ReleaseKVRequest(transfer_id=handle.transfer_id), timeout=left()).released:
+            ack = stub.ReleaseKV(kv_pb2.ReleaseKVRequest(transfer_id=handle.transfer_id, layer_checksums=sums), timeout=left())
+            if not ack.released:
                 raise KVNotFoundError(f"the lease on KV {handle.transfer_id!r} ended before it was acknowledged; what was read may be stale")
+            if sums and ack.mismatched_layer >= 0:
+                raise KVTransferError(f"KV layer {ack.mismatched_layer} failed its checksum after the shm copy")
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise KVNotFoundError(e.details()) from None

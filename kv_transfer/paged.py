@@ -10,6 +10,18 @@ from kv_transfer.base import KVSink, KVSource
 from pdserve.engine.kv_cache import PagedKVCache
 
 
+def _runs(block_table: list[int], start: int, end: int, block_size: int) -> list[list[int]]:
+    """[first slot, tokens] per run of consecutive blocks covering tokens [start, end); start block-aligned."""
+    runs: list[list[int]] = []
+    for first in range(start, end, block_size):
+        slot, n = block_table[first // block_size] * block_size, min(block_size, end - first)
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1][1] += n
+        else:
+            runs.append([slot, n])
+    return runs
+
+
 class PagedKVSource(KVSource):
     """The first ``num_tokens`` tokens held in ``block_table``; ``on_release(block_table)`` frees the blocks."""
 
@@ -23,6 +35,22 @@ class PagedKVSource(KVSource):
 
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv_cache.read(layer, self._slots[start:end])
+
+    def pieces(self, layer: int, start: int, end: int) -> tuple[list[memoryview], list[memoryview]] | None:
+        """Tokens [start, end) of ``layer`` as the pool's own memory, no copy: per K and V, one
+        memoryview per (kv head, block), in the [kv_heads, tokens, head_dim] byte order of
+        ``read``. None unless ``start`` is block-aligned (then any ``end`` works)."""
+        bs = self.kv_cache.block_size
+        if start % bs or self.kv_cache.k.device.type != "cpu":
+            return None
+        row = self.spec.head_dim * self.spec.dtype.itemsize  # bytes of one token of one head
+        slots = self.kv_cache.num_blocks * bs
+        runs = _runs(self.block_table, start, end, bs)  # fewer, longer pieces
+        out = []
+        for pool in (self.kv_cache.k[layer], self.kv_cache.v[layer]):  # [kv_heads, slots, head_dim]
+            mv = memoryview(pool.view(torch.uint8).numpy()).cast("B")
+            out.append([mv[(h * slots + s) * row : (h * slots + s + n) * row] for h in range(self.spec.num_kv_heads) for s, n in runs])
+        return out[0], out[1]
 
     def release(self) -> None:
         self._on_release(self.block_table)
@@ -38,4 +66,12 @@ class PagedKVSink(KVSink):
         self._slots = kv_cache.slots(block_table, 0, num_tokens)  # [num_tokens]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv_cache.write(layer, self._slots[start : start + k.shape[1]], k, v)
+        n, bs = k.shape[1], self.kv_cache.block_size
+        if start % bs:  # not block-aligned: a scatter by slot
+            self.kv_cache.write(layer, self._slots[start : start + n], k, v)
+            return
+        offset = 0  # block-aligned: one strided copy per run of consecutive blocks
+        for slot, count in _runs(self.block_table, start, start + n, bs):
+            self.kv_cache.k[layer][:, slot : slot + count].copy_(k[:, offset : offset + count])
+            self.kv_cache.v[layer][:, slot : slot + count].copy_(v[:, offset : offset + count])
+            offset += count

@@ -5,8 +5,9 @@ It holds each prompt's KV under a lease (LeaseTable) and runs the KVTransfer gRP
 - ``Handshake``: swaps KV fingerprints with a decode worker on first contact;
 - ``FetchKV``: streams the KV (grpc backend);
 - ``DescribeKV``: tells a same-node decode worker where the blocks lie in this worker's
-  shared-memory pool, with per-layer checksums (shm backend);
-- ``ReleaseKV``: the acknowledgement (or a cancel); frees the blocks.
+  shared-memory pool (shm backend), and starts checksumming them;
+- ``ReleaseKV``: the acknowledgement (or a cancel); after an shm copy it compares the
+  receiver's checksums with ours, then frees the blocks.
 
 A stream that outlives its lease is cut with NOT_FOUND: blocks are freed only when a
 lease ends, so a lease still held after the last chunk proves no block was reused while
@@ -21,10 +22,11 @@ from concurrent import futures
 
 import grpc
 
-from kv_transfer import shm_backend
+from kv_transfer import shm_backend, wire
 from kv_transfer.base import KVHandle, KVSender, KVSource
 from kv_transfer.faults import FaultInjector
 from kv_transfer.fingerprint import KVFingerprint
+from kv_transfer.malloc import keep_large_allocations
 from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, iter_chunks
 from kv_transfer.lease import LeaseTable
 from pdserve.rpc import kv_pb2, kv_pb2_grpc
@@ -72,16 +74,43 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
         if kv_cache is None or kv_cache.shm_path is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill worker's KV pool is not in shared memory")
         self._inject_stall_or_break(context)
-        block_ids, sums = shm_backend.describe(kv_cache, source.block_table, source.num_tokens)
-        if self.s.faults.take("corrupt"):
-            sums[0] ^= 1
+        block_ids = shm_backend.block_ids(kv_cache, source.block_table, source.num_tokens)
+        # checksum our blocks while the receiver copies them (the C call releases the GIL); ReleaseKV compares
+        for tid in [t for t in self.s.checksums if self.s.table.get(t) is None]:  # leases that ended unacknowledged
+            self.s.checksums.pop(tid, None)
+        corrupt = self.s.faults.take("corrupt")
+        self.s.checksums[request.transfer_id] = self.s.checksum_pool.submit(
+            lambda: [x ^ (corrupt and i == 0) for i, x in enumerate(shm_backend.checksums(kv_cache, block_ids))])
         return kv_pb2.DescribeKVResponse(
             shm_path=kv_cache.shm_path, pool_num_blocks=kv_cache.num_blocks, block_ids=block_ids,
-            num_tokens=source.num_tokens, layer_checksums=sums, block_size=kv_cache.block_size,
+            num_tokens=source.num_tokens, block_size=kv_cache.block_size,
         )
 
     def ReleaseKV(self, request, context):
-        return kv_pb2.ReleaseKVResponse(released=self.s.table.release(request.transfer_id))
+        pending = self.s.checksums.pop(request.transfer_id, None)
+        mismatched = -1
+        if request.layer_checksums and pending is not None:
+            ours = pending.result()  # computed while the lease is still held
+            theirs = list(request.layer_checksums)
+            mismatched = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), -1 if len(ours) == len(theirs) else 0)
+        return kv_pb2.ReleaseKVResponse(released=self.s.table.release(request.transfer_id), mismatched_layer=mismatched)
+
+
+def _register(servicer: _Servicer, server: grpc.Server) -> None:
+    """As the generated add_KVTransferServicer_to_server, but FetchKV's chunks go out
+    pre-encoded (kv_transfer/wire.py) instead of through SerializeToString."""
+    def unary(method, request_cls):
+        return grpc.unary_unary_rpc_method_handler(method, request_deserializer=request_cls.FromString,
+                                                   response_serializer=lambda m: m.SerializeToString())
+
+    handlers = {
+        "Handshake": unary(servicer.Handshake, kv_pb2.HandshakeRequest),
+        "DescribeKV": unary(servicer.DescribeKV, kv_pb2.DescribeKVRequest),
+        "ReleaseKV": unary(servicer.ReleaseKV, kv_pb2.ReleaseKVRequest),
+        "FetchKV": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchKV, request_deserializer=kv_pb2.FetchKVRequest.FromString, response_serializer=wire.serialize_response),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.rpc.KVTransfer", handlers),))
 
 
 class KVServer(KVSender):
@@ -94,6 +123,7 @@ class KVServer(KVSender):
 
     def __init__(self, bind_host: str, chunk_bytes: int = 1 << 20, *, backend: str = "grpc", fingerprint: KVFingerprint | None = None,
                  block_size: int = 0, shm_path: str | None = None, node_id: str = "", max_workers: int = 8):
+        keep_large_allocations()
         self.table = LeaseTable()
         self.chunk_bytes = chunk_bytes
         self.backend = backend
@@ -103,11 +133,13 @@ class KVServer(KVSender):
         self.node_id = node_id
         self.instance_id = uuid.uuid4().hex
         self.faults = FaultInjector()
+        self.checksum_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-checksum")
+        self.checksums: dict[str, futures.Future] = {}  # shm transfers described, not yet released
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-server"),
             options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
         )
-        kv_pb2_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
+        _register(_Servicer(self), self._server)
         port = self._server.add_insecure_port(f"{bind_host}:0")
         if port == 0:
             raise OSError(f"cannot bind the KV server to {bind_host}")
@@ -132,3 +164,4 @@ class KVServer(KVSender):
     def close(self) -> None:
         self._server.stop(grace=None)
         self.table.close()
+        self.checksum_pool.shutdown(wait=False, cancel_futures=True)

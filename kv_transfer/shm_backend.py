@@ -1,15 +1,16 @@
 """shm backend: same node, CPU. The decode worker copies blocks straight out of the prefill
 worker's KV pool, which lives in a shared-memory file (PagedKVCache(shm_path=...)).
 
-1. ``DescribeKV`` (gRPC control plane) returns the pool file, the transfer's block ids and
-   one checksum per layer, computed by the sender over those blocks while it holds the lease.
-2. The receiver maps the file (once per sender), copies each layer's blocks into its own
-   blocks with one memcpy per run of consecutive blocks (no serialization, no staging
-   buffer), and checksums what landed against the sender's figure.
-3. It acknowledges with ``ReleaseKV``. The sender frees blocks only when a lease is
-   released or reaped, so an acknowledgement that finds the lease still held proves the
-   blocks were not reused during the copy; one that finds it gone means the copy may be
-   stale, and the transfer fails (KVNotFoundError).
+1. ``DescribeKV`` (gRPC control plane) returns the pool file and the transfer's block ids;
+   the sender starts checksumming those blocks (one checksum per layer) in the background.
+2. Meanwhile the receiver maps the file (once per sender, pages populated up front) and
+   copies each layer's blocks into its own with one memcpy per run of consecutive blocks
+   (no serialization, no staging buffer), checksumming each block as it lands.
+3. It acknowledges with ``ReleaseKV``, sending its checksums; the sender compares them with
+   its own and reports the first layer that differs. The sender frees blocks only when a
+   lease is released or reaped, so an acknowledgement that finds the lease still held
+   proves the blocks were not reused during the copy; one that finds it gone means the
+   copy may be stale, and the transfer fails (KVNotFoundError).
 
 Block copies and checksums are C (pdserve/engine/kernels/kv_blocks.c): both sides are on
 one node, so both have it where either does.
@@ -57,12 +58,15 @@ def layer_checksum(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, bl
     return total
 
 
-def describe(kv_cache: PagedKVCache, block_table: list[int], num_tokens: int) -> tuple[list[int], list[int]]:
-    """Sender side: (block ids, per-layer checksums) of a held transfer's first ``num_tokens`` tokens."""
-    block_ids = block_table[: -(-num_tokens // kv_cache.block_size)]
+def block_ids(kv_cache: PagedKVCache, block_table: list[int], num_tokens: int) -> list[int]:
+    """Sender side: the blocks holding a transfer's first ``num_tokens`` tokens."""
+    return block_table[: -(-num_tokens // kv_cache.block_size)]
+
+
+def checksums(kv_cache: PagedKVCache, block_ids: list[int]) -> list[int]:
+    """Sender side: one checksum per layer over ``block_ids`` (K blocks, then V blocks)."""
     ids = _ids(block_ids)
-    sums = [layer_checksum(kv_cache.k[l], kv_cache.v[l], ids, kv_cache.block_size) for l in range(kv_cache.spec.num_layers)]
-    return block_ids, sums
+    return [layer_checksum(kv_cache.k[l], kv_cache.v[l], ids, kv_cache.block_size) for l in range(kv_cache.spec.num_layers)]
 
 
 class ShmReader:
@@ -85,38 +89,38 @@ class ShmReader:
             self._maps.move_to_end(path)
             return self._maps[path]
 
-    def copy(self, desc, sink: KVSink, cancel: threading.Event | None) -> int:
-        """Copy a described transfer (DescribeKVResponse) into ``sink``; returns bytes copied.
+    def copy(self, desc, sink: KVSink, cancel: threading.Event | None) -> tuple[int, list[int]]:
+        """Copy a described transfer (DescribeKVResponse) into ``sink``; returns (bytes copied,
+        per-layer checksums of what was copied) for the sender to compare in ReleaseKV.
 
-        Raises KVTransferError on a checksum mismatch or when ``cancel`` is set.
+        Raises KVTransferError on a bad description or when ``cancel`` is set.
         """
         spec, block_size = sink.spec, desc.block_size
         src_k, src_v = self._map(desc.shm_path, spec, desc.pool_num_blocks, block_size)
         src_ids = _ids(list(desc.block_ids))
-        if len(desc.layer_checksums) != spec.num_layers or block_size < 1 or len(src_ids) * block_size < desc.num_tokens:
+        if block_size < 1 or len(src_ids) * block_size < desc.num_tokens:
             raise KVTransferError("shm KV description does not match this decode worker's layout")
         paged = getattr(sink, "kv_cache", None)
         lib = _lib()
-        nbytes = 0
+        nbytes, sums = 0, []
+        dst_ids = _ids(sink.block_table[: len(src_ids)]) if paged is not None else None
         for layer in range(spec.num_layers):
             if cancel is not None and cancel.is_set():
                 raise KVTransferError("KV transfer cancelled")
-            if paged is not None and paged.block_size == block_size:  # block to block: one memcpy per run
-                dst_ids = _ids(sink.block_table[: len(src_ids)])
+            if paged is not None and paged.block_size == block_size:  # block to block, checksummed as it lands
                 block_bytes = block_size * spec.head_dim * spec.dtype.itemsize
+                got = 0
                 for src, dst in ((src_k[layer], paged.k[layer]), (src_v[layer], paged.v[layer])):
-                    lib.kv_copy_blocks(src.data_ptr(), src.stride(0) * src.element_size(), dst.data_ptr(),
-                                       dst.stride(0) * dst.element_size(), block_bytes, src_ids.data_ptr(),
-                                       dst_ids.data_ptr(), len(src_ids), spec.num_kv_heads)
-                got = layer_checksum(paged.k[layer], paged.v[layer], dst_ids, block_size)
+                    got = lib.kv_copy_blocks_checksum(
+                        src.data_ptr(), src.stride(0) * src.element_size(), dst.data_ptr(), dst.stride(0) * dst.element_size(),
+                        block_bytes, src_ids.data_ptr(), dst_ids.data_ptr(), len(src_ids), spec.num_kv_heads, got)
             else:  # any other sink: token rows, then the checksum of the source as read
                 slots = (src_ids[torch.arange(desc.num_tokens) // block_size].long() * block_size
                          + torch.arange(desc.num_tokens) % block_size)
                 sink.write(layer, 0, src_k[layer][:, slots], src_v[layer][:, slots])
                 got = layer_checksum(src_k[layer], src_v[layer], src_ids, block_size)
-            if got != desc.layer_checksums[layer]:
-                raise KVTransferError(f"KV layer {layer} failed its checksum after the shm copy")
+            sums.append(got)
             nbytes += 2 * desc.num_tokens * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
-        return nbytes
+        return nbytes, sums
 
 

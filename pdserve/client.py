@@ -1,10 +1,26 @@
-"""A small synchronous gRPC client for the router's Generator service."""
+"""gRPC client SDK for the router's Generator service: ``Client`` (sync) and
+``AsyncClient`` (asyncio), with typed results.
+
+- ``stream(...)`` returns a cancellable iterator of ``Chunk`` (new token ids and text);
+  ``generate(...)`` collects one request into a ``GenerateResult`` with client-side TTFT
+  and TPOT.
+- Every call has a deadline (``timeout_s``, seconds, for the whole request).
+- A call that fails with UNAVAILABLE before its first chunk (router restarting, proxy
+  not up yet) is retried up to ``retries`` times with exponential backoff within the
+  deadline; once a chunk has arrived a retry could duplicate output, so errors then
+  go to the caller.
+- Errors are ``grpc.RpcError`` with the server's status: INVALID_ARGUMENT (bad input,
+  message names the field), RESOURCE_EXHAUSTED (no capacity), UNAVAILABLE (KV transfer
+  failed, or the server is down), FAILED_PRECONDITION (the pools run different models),
+  DEADLINE_EXCEEDED.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import grpc
 
@@ -12,6 +28,22 @@ from pdserve.rpc import generate_pb2 as pb
 from pdserve.rpc import generate_pb2_grpc as pb_grpc
 
 DEFAULT_ENDPOINT = "127.0.0.1:9000"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece of a response."""
+
+    request_id: str
+    token_ids: list[int]  # new token ids
+    text: str  # new text (valid UTF-8; held-back stop-string prefixes never appear)
+    finish_reason: str | None  # None until the last chunk: "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int  # so far
+
+    @classmethod
+    def from_pb(cls, m: pb.GenerateResponse) -> "Chunk":
+        return cls(m.request_id, list(m.token_ids), m.text, m.finish_reason or None, m.prompt_tokens, m.completion_tokens)
 
 
 @dataclass
@@ -25,10 +57,82 @@ class GenerateResult:
     ttft_s: float = 0.0  # seconds from call to first token
     tpot_s: float = 0.0  # mean seconds per output token after the first
 
+    def add(self, chunk: Chunk, now: float, start: float, first_at: list[float]) -> None:
+        if chunk.token_ids:
+            if not first_at:
+                first_at.append(now)
+                self.ttft_s = now - start
+            if len(self.token_ids) + len(chunk.token_ids) > 1:
+                self.tpot_s = (now - first_at[0]) / (len(self.token_ids) + len(chunk.token_ids) - 1)
+        self.request_id = chunk.request_id
+        self.token_ids.extend(chunk.token_ids)
+        self.text += chunk.text
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+
+
+def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                  prompt_token_ids: list[int] | None = None, request_id: str = "", model: str = "", **params) -> pb.GenerateRequest:
+    """``params``: SamplingParams fields (max_tokens, temperature, top_p, top_k, seed,
+    min_tokens, stop, stop_token_ids, ignore_eos). Raises ValueError for an unknown one."""
+    try:
+        sampling = pb.SamplingParams(**params)
+    except ValueError as e:
+        raise ValueError(f"unknown sampling parameter: {e}") from None
+    return pb.GenerateRequest(
+        prompt=prompt or "", messages=[pb.ChatMessage(**m) for m in messages or []],
+        prompt_token_ids=prompt_token_ids or [], params=sampling, request_id=request_id, model=model,
+    )
+
+
+def _retryable(e: grpc.RpcError, got_any: bool, attempt: int, retries: int, deadline: float, backoff_s: float) -> float | None:
+    """Seconds to wait before retrying, or None to raise."""
+    if got_any or e.code() != grpc.StatusCode.UNAVAILABLE or attempt >= retries:
+        return None
+    wait = backoff_s * 2**attempt
+    return wait if time.monotonic() + wait < deadline else None
+
+
+class Stream:
+    """Iterator of Chunk for one request; ``cancel()`` ends it (the server frees everything)."""
+
+    def __init__(self, stub, request: pb.GenerateRequest, timeout_s: float, retries: int, backoff_s: float):
+        self._stub, self._request = stub, request
+        self._deadline = time.monotonic() + timeout_s
+        self._retries, self._backoff_s = retries, backoff_s
+        self._call = None
+        self._cancelled = False
+
+    def __iter__(self) -> Iterator[Chunk]:
+        attempt, got_any = 0, False
+        while True:
+            self._call = self._stub.Generate(self._request, timeout=max(0.001, self._deadline - time.monotonic()))
+            if self._cancelled:
+                self._call.cancel()
+            try:
+                for message in self._call:
+                    got_any = True
+                    yield Chunk.from_pb(message)
+                return
+            except grpc.RpcError as e:
+                wait = None if self._cancelled else _retryable(e, got_any, attempt, self._retries, self._deadline, self._backoff_s)
+                if wait is None:
+                    raise
+                attempt += 1
+                time.sleep(wait)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
 
 class Client:
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT):
+    """Synchronous client. ``retries``: UNAVAILABLE retries before the first chunk."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5):
         self.endpoint = endpoint
+        self.retries, self.backoff_s = retries, backoff_s
         self._channel = grpc.insecure_channel(endpoint)
         self._stub = pb_grpc.GeneratorStub(self._channel)
 
@@ -36,52 +140,17 @@ class Client:
         """Raises grpc.RpcError (UNAVAILABLE when nothing listens)."""
         return self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        request_id: str = "",
-        model: str = "",
-        timeout_s: float | None = 300.0,
-        **params,
-    ) -> Iterator[pb.GenerateResponse]:
-        """Stream GenerateResponse chunks. ``params`` are SamplingParams fields
-        (max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos).
-        ``request_id`` is echoed back in every chunk; ``model`` must be "" or the served model.
-
-        Raises grpc.RpcError with the server's status (INVALID_ARGUMENT for bad input).
-        """
-        request = pb.GenerateRequest(
-            prompt=prompt or "",
-            messages=[pb.ChatMessage(**m) for m in messages or []],
-            prompt_token_ids=prompt_token_ids or [],
-            params=pb.SamplingParams(**params),
-            request_id=request_id,
-            model=model,
-        )
-        return self._stub.Generate(request, timeout=timeout_s)
+    def stream(self, prompt: str | None = None, *, timeout_s: float = 300.0, **kwargs) -> Stream:
+        """Stream one request: exactly one of ``prompt`` (raw text), ``messages`` (chat,
+        template applied) or ``prompt_token_ids``; ``request_id`` is only echoed back;
+        ``model`` must be "" or the served model; other keywords are sampling parameters."""
+        return Stream(self._stub, build_request(prompt, **kwargs), timeout_s, self.retries, self.backoff_s)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
-        """Run one request to the end and collect it, with client-side TTFT and TPOT."""
-        result = GenerateResult()
-        start = time.perf_counter()
-        first_at = last_at = None
+        """Run one request to the end and collect it (see ``stream`` for the arguments)."""
+        result, start, first_at = GenerateResult(), time.perf_counter(), []
         for chunk in self.stream(prompt, **kwargs):
-            now = time.perf_counter()
-            if chunk.token_ids:
-                first_at = first_at or now
-                last_at = now
-            result.request_id = chunk.request_id
-            result.token_ids.extend(chunk.token_ids)
-            result.text += chunk.text
-            result.finish_reason = chunk.finish_reason or result.finish_reason
-            result.prompt_tokens, result.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
-        if first_at is not None:
-            result.ttft_s = first_at - start
-            if len(result.token_ids) > 1:
-                result.tpot_s = (last_at - first_at) / (len(result.token_ids) - 1)
+            result.add(chunk, time.perf_counter(), start, first_at)
         return result
 
     def close(self) -> None:
@@ -92,3 +161,66 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class AsyncStream:
+    """Async iterator of Chunk for one request; ``cancel()`` ends it."""
+
+    def __init__(self, stub, request: pb.GenerateRequest, timeout_s: float, retries: int, backoff_s: float):
+        self._stub, self._request = stub, request
+        self._deadline = time.monotonic() + timeout_s
+        self._retries, self._backoff_s = retries, backoff_s
+        self._call = None
+        self._cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        attempt, got_any = 0, False
+        while True:
+            self._call = self._stub.Generate(self._request, timeout=max(0.001, self._deadline - time.monotonic()))
+            try:
+                async for message in self._call:
+                    got_any = True
+                    yield Chunk.from_pb(message)
+                return
+            except grpc.RpcError as e:
+                wait = None if self._cancelled else _retryable(e, got_any, attempt, self._retries, self._deadline, self._backoff_s)
+                if wait is None:
+                    raise
+                attempt += 1
+                await asyncio.sleep(wait)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+
+class AsyncClient:
+    """asyncio client (grpc.aio); same arguments and results as ``Client``."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5):
+        self.endpoint = endpoint
+        self.retries, self.backoff_s = retries, backoff_s
+        self._channel = grpc.aio.insecure_channel(endpoint)
+        self._stub = pb_grpc.GeneratorStub(self._channel)
+
+    async def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
+        return await self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
+
+    def stream(self, prompt: str | None = None, *, timeout_s: float = 300.0, **kwargs) -> AsyncStream:
+        return AsyncStream(self._stub, build_request(prompt, **kwargs), timeout_s, self.retries, self.backoff_s)
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
+        result, start, first_at = GenerateResult(), time.perf_counter(), []
+        async for chunk in self.stream(prompt, **kwargs):
+            result.add(chunk, time.perf_counter(), start, first_at)
+        return result
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

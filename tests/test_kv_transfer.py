@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decode_worker.server import receive_kv
-from kv_transfer import shm_backend
+from kv_transfer import shm_backend, wire
 from kv_transfer.base import KVHandle, TensorKVSink, TensorKVSource
 from kv_transfer.client import KVClient
 from kv_transfer.fingerprint import KVFingerprint
@@ -23,6 +23,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.errors import KVIncompatibleError, KVNotFoundError, KVTransferError
 from pdserve.kv_layout import KVSpec
+from pdserve.rpc import kv_pb2
 
 SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 NODE = "node-a"
@@ -67,12 +68,19 @@ def test_grpc_round_trip_is_bit_exact_and_acknowledged(sender, dtype, num_tokens
     receiver.close()
 
 
-def test_chunks_respect_the_byte_budget():
-    messages = list(iter_chunks("x", random_kv(SPEC, 100), chunk_bytes=1024, block_size=16))
-    header, chunks = messages[0].header, [m.chunk for m in messages[1:]]
+def test_chunks_respect_the_byte_budget_and_are_standard_protobuf():
+    source = random_kv(SPEC, 100)
+    messages = list(iter_chunks("x", source, chunk_bytes=1024, block_size=16))
+    header = messages[0].header
+    chunks = [kv_pb2.FetchKVResponse.FromString(m).chunk for m in messages[1:]]  # the stock parser reads them
+    views = [wire.decode_response(m) for m in messages[1:]]  # and so does the zero-copy one, the same way
     assert header.num_chunks == len(chunks) > SPEC.num_layers and header.block_size == 16
     assert all(len(c.key) + len(c.value) <= 1024 for c in chunks)
     assert sum(c.num_tokens for c in chunks) == 100 * SPEC.num_layers
+    for c, v in zip(chunks, views):
+        assert (c.layer, c.start_token, c.num_tokens, c.key, c.value, c.xxh3) == (v.layer, v.start_token, v.num_tokens, bytes(v.key), bytes(v.value), v.xxh3)
+    first = chunks[0]
+    assert first.key == source.kv[0, 0, :, : first.num_tokens].contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def test_lease_expires_and_frees(sender):

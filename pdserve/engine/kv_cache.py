@@ -93,7 +93,9 @@ def map_pool_file(path: str, spec: KVSpec, num_blocks: int, block_size: int, cre
             os.ftruncate(fd, nbytes)
         elif os.fstat(fd).st_size != nbytes:
             raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, a pool of this shape {nbytes}")
-        buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # a reader maps the whole pool's page tables now: first touches would fault per 4 KB page mid-transfer
+        flags = mmap.MAP_SHARED | (0 if create else getattr(mmap, "MAP_POPULATE", 0))
+        buf = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     flat = torch.frombuffer(buf, dtype=spec.dtype)  # keeps buf alive

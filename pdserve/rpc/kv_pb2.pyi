@@ -47,20 +47,18 @@ class DescribeKVRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class DescribeKVResponse(_message.Message):
-    __slots__ = ("shm_path", "pool_num_blocks", "block_ids", "num_tokens", "layer_checksums", "block_size")
+    __slots__ = ("shm_path", "pool_num_blocks", "block_ids", "num_tokens", "block_size")
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     shm_path: str
     pool_num_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    layer_checksums: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
-    def __init__(self, shm_path: _Optional[str] = ..., pool_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layer_checksums: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, shm_path: _Optional[str] = ..., pool_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
     __slots__ = ("transfer_id",)
@@ -89,20 +87,20 @@ class KVHeader(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("layer", "start_token", "num_tokens", "key", "value", "crc32")
+    __slots__ = ("layer", "start_token", "num_tokens", "key", "value", "xxh3")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     layer: int
     start_token: int
     num_tokens: int
     key: bytes
     value: bytes
-    crc32: int
-    def __init__(self, layer: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    xxh3: int
+    def __init__(self, layer: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
 
 class FetchKVResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -113,13 +111,17 @@ class FetchKVResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
-    __slots__ = ("transfer_id",)
+    __slots__ = ("transfer_id", "layer_checksums")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+    layer_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseKVResponse(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "mismatched_layer")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHED_LAYER_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+    mismatched_layer: int
+    def __init__(self, released: _Optional[bool] = ..., mismatched_layer: _Optional[int] = ...) -> None: ...

@@ -34,7 +34,7 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
     },
     "kv_blocks": {
         "kv_checksum_blocks": (_u64, [_ptr, _i64, _i64, _ptr, _i64, _i64, _u64]),
-        "kv_copy_blocks": (None, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]),
+        "kv_copy_blocks_checksum": (_u64, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _u64]),
     },
 }
 _libs: dict[str, ctypes.CDLL | None] = {}

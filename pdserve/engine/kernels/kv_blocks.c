@@ -25,37 +25,56 @@ static inline uint64_t mix(uint64_t x) { /* splitmix64 finalizer (Steele et al.,
     return x ^ (x >> 31);
 }
 
-uint64_t kv_checksum_blocks(const uint8_t *base, int64_t head_stride, int64_t block_bytes, const int32_t *block_ids,
-                            int64_t num_blocks, int64_t num_heads, uint64_t seed) {
+typedef struct {
     uint64_t acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = mix(seed + (uint64_t)j * P2);
-    const int64_t words = block_bytes / 64 * 8; /* whole 64-byte lines */
-    for (int64_t h = 0; h < num_heads; h++) {
-        for (int64_t b = 0; b < num_blocks; b++) {
-            const uint8_t *p = base + h * head_stride + (int64_t)block_ids[b] * block_bytes;
-            for (int64_t i = 0; i < words; i += 8) {
-                uint64_t w[8];
-                memcpy(w, p + i * 8, 64);
-                for (int j = 0; j < 8; j++) acc[j] = (acc[j] ^ w[j]) * P1;
-            }
-            for (int64_t i = words * 8; i < block_bytes; i++) acc[i % 8] = (acc[i % 8] ^ p[i]) * P1;
-        }
+} hstate;
+
+static void h_init(hstate *h, uint64_t seed) {
+    for (int j = 0; j < 8; j++) h->acc[j] = mix(seed + (uint64_t)j * P2);
+}
+
+static inline void h_block(hstate *h, const uint8_t *p, int64_t nbytes) { /* one (head, block) piece */
+    const int64_t words = nbytes / 64 * 8;
+    for (int64_t i = 0; i < words; i += 8) {
+        uint64_t w[8];
+        memcpy(w, p + i * 8, 64);
+        for (int j = 0; j < 8; j++) h->acc[j] = (h->acc[j] ^ w[j]) * P1;
     }
-    uint64_t out = mix((uint64_t)(num_heads * num_blocks * block_bytes));
-    for (int j = 0; j < 8; j++) out = mix(out ^ acc[j]);
+    for (int64_t i = words * 8; i < nbytes; i++) h->acc[i % 8] = (h->acc[i % 8] ^ p[i]) * P1;
+}
+
+static uint64_t h_final(const hstate *h, uint64_t total_bytes) {
+    uint64_t out = mix(total_bytes);
+    for (int j = 0; j < 8; j++) out = mix(out ^ h->acc[j]);
     return out;
 }
 
-void kv_copy_blocks(const uint8_t *src, int64_t src_head_stride, uint8_t *dst, int64_t dst_head_stride,
-                    int64_t block_bytes, const int32_t *src_ids, const int32_t *dst_ids, int64_t num_blocks,
-                    int64_t num_heads) {
-    for (int64_t h = 0; h < num_heads; h++) {
+uint64_t kv_checksum_blocks(const uint8_t *base, int64_t head_stride, int64_t block_bytes, const int32_t *block_ids,
+                            int64_t num_blocks, int64_t num_heads, uint64_t seed) {
+    hstate h;
+    h_init(&h, seed);
+    for (int64_t hd = 0; hd < num_heads; hd++)
+        for (int64_t b = 0; b < num_blocks; b++) h_block(&h, base + hd * head_stride + (int64_t)block_ids[b] * block_bytes, block_bytes);
+    return h_final(&h, (uint64_t)(num_heads * num_blocks * block_bytes));
+}
+
+/* Copy blocks src -> dst (one memcpy per run of blocks consecutive on both sides) and
+ * return kv_checksum_blocks of what landed in dst, each block hashed right after it is
+ * written, while it is still in cache: one pass over memory instead of two. */
+uint64_t kv_copy_blocks_checksum(const uint8_t *src, int64_t src_head_stride, uint8_t *dst, int64_t dst_head_stride,
+                                 int64_t block_bytes, const int32_t *src_ids, const int32_t *dst_ids, int64_t num_blocks,
+                                 int64_t num_heads, uint64_t seed) {
+    hstate h;
+    h_init(&h, seed);
+    for (int64_t hd = 0; hd < num_heads; hd++) {
         for (int64_t b = 0; b < num_blocks;) {
-            int64_t run = 1; /* merge runs of consecutive blocks on both sides into one memcpy */
-            while (b + run < num_blocks && src_ids[b + run] == src_ids[b] + run && dst_ids[b + run] == dst_ids[b] + run) run++;
-            memcpy(dst + h * dst_head_stride + (int64_t)dst_ids[b] * block_bytes,
-                   src + h * src_head_stride + (int64_t)src_ids[b] * block_bytes, run * block_bytes);
+            int64_t run = 1;
+            while (run < 16 && b + run < num_blocks && src_ids[b + run] == src_ids[b] + run && dst_ids[b + run] == dst_ids[b] + run) run++;
+            uint8_t *d = dst + hd * dst_head_stride + (int64_t)dst_ids[b] * block_bytes;
+            memcpy(d, src + hd * src_head_stride + (int64_t)src_ids[b] * block_bytes, run * block_bytes);
+            for (int64_t r = 0; r < run; r++) h_block(&h, d + r * block_bytes, block_bytes);
             b += run;
         }
     }
+    return h_final(&h, (uint64_t)(num_heads * num_blocks * block_bytes));
 }
