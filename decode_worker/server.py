@@ -17,6 +17,7 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import CapacityError, KVIncompatibleError, KVTransferError
 from pdserve.messages import DecodeRequest, TokenChunk
+from pdserve.metrics import PoolMetrics
 from pdserve.worker import build_engine
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class DecodeServer:
         self.num_kv_fetched = 0
         self.num_kv_faults = 0  # fetches that failed; each recomputed or failed per kv_transfer.on_fault
         self.num_recomputed = 0
+        self.metrics = PoolMetrics("decode", self.cfg.model.path, self._stats)
 
     async def _reserve(self, num_tokens: int, deadline: float) -> list[int]:
         """Blocks for the incoming KV; they count as used from now on, so admission sees them."""
@@ -80,12 +82,16 @@ class DecodeServer:
         num_prompt = len(request.prompt_ids)
         blocks = await self._reserve(num_prompt, time.monotonic() + timeout_s)
         try:
-            await receive_kv(self.engine.kv_cache, self.kv_receiver, request.kv, blocks, num_prompt, timeout_s)
+            start = time.perf_counter()
+            transport = await receive_kv(self.engine.kv_cache, self.kv_receiver, request.kv, blocks, num_prompt, timeout_s)
             self.num_kv_fetched += 1
+            self.metrics.kv_transfer_seconds.observe(time.perf_counter() - start, tags={"transport": transport})
+            self.metrics.kv_transfer_bytes.inc(num_prompt * self.engine.kv_spec.bytes_per_token, tags={"transport": transport})
         except KVTransferError as e:
             self.engine.free_blocks(blocks)
             blocks = []
             self.num_kv_faults += 1
+            self.metrics.kv_transfer_faults.inc()
             await self._release_quietly(request.kv)  # the sender frees its copy now, not at lease expiry
             if isinstance(e, KVIncompatibleError) or self.cfg.kv_transfer.on_fault == "fail":
                 raise
@@ -120,6 +126,9 @@ class DecodeServer:
             pass  # unreachable: its lease will expire
 
     async def stats(self) -> dict[str, int]:
+        return self._stats()
+
+    def _stats(self) -> dict[str, int]:
         return {
             "num_kv_fetched": self.num_kv_fetched, "num_kv_faults": self.num_kv_faults, "num_recomputed": self.num_recomputed,
             **self.engine.stats(), **{f"kv_{k}": v for k, v in self.kv_receiver.stats().items()},
@@ -130,5 +139,7 @@ class DecodeServer:
             raise RuntimeError("decode engine thread has stopped")
 
     def __del__(self):
+        if hasattr(self, "metrics"):
+            self.metrics.close()
         if hasattr(self, "loop"):
             self.loop.close()

@@ -47,8 +47,9 @@ def _ray_cli() -> str:
     return str(local) if local.exists() else "ray"
 
 
-def _connect_ray(address: str | None) -> bool:
-    """Join ``address`` (or a running local cluster), else start a local head. True if we started it."""
+def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
+    """Join ``address`` (or a running local cluster), else start a local head (its Prometheus
+    metrics on ``metrics_export_port``). True if we started it."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -62,7 +63,8 @@ def _connect_ray(address: str | None) -> bool:
         pass
     typer.echo("Starting a local Ray head node ...", err=True)
     subprocess.run(
-        [_ray_cli(), "start", "--head", "--disable-usage-stats", "--include-dashboard=false", f"--num-cpus={os.cpu_count()}"],
+        [_ray_cli(), "start", "--head", "--disable-usage-stats", "--include-dashboard=false", f"--num-cpus={os.cpu_count()}",
+         f"--metrics-export-port={metrics_export_port}"],
         check=True, stdout=subprocess.DEVNULL,
     )
     ray.init(address="auto", log_to_driver=False)
@@ -93,7 +95,7 @@ def _up(config: Path | None, address: str | None, model: str | None = None, rede
     except ModelNotFoundError as e:
         raise _fail(str(e))
     typer.echo(f"Model ready at {model_dir}", err=True)
-    started_ray = _connect_ray(address or cfg.ray.address) or _read_state().get("started_ray", False)
+    started_ray = _connect_ray(address or cfg.ray.address, cfg.ray.metrics_export_port) or _read_state().get("started_ray", False)
     typer.echo("Deploying router, prefill and decode pools (each replica loads the model) ...", err=True)
     start = time.perf_counter()
     deploy(cfg)

@@ -26,6 +26,7 @@ import grpc
 
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.rpc import generate_pb2_grpc as pb_grpc
+from pdserve.sampling import TokenLogprob, TopLogprob
 
 DEFAULT_ENDPOINT = "127.0.0.1:9000"
 
@@ -40,10 +41,12 @@ class Chunk:
     finish_reason: str | None  # None until the last chunk: "stop" or "length"
     prompt_tokens: int
     completion_tokens: int  # so far
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when requested (logprobs=k)
 
     @classmethod
     def from_pb(cls, m: pb.GenerateResponse) -> "Chunk":
-        return cls(m.request_id, list(m.token_ids), m.text, m.finish_reason or None, m.prompt_tokens, m.completion_tokens)
+        logprobs = [TokenLogprob(lp.token_id, lp.logprob, [TopLogprob(t.token_id, t.logprob) for t in lp.top]) for lp in m.logprobs]
+        return cls(m.request_id, list(m.token_ids), m.text, m.finish_reason or None, m.prompt_tokens, m.completion_tokens, logprobs)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class GenerateResult:
     completion_tokens: int = 0
     ttft_s: float = 0.0  # seconds from call to first token
     tpot_s: float = 0.0  # mean seconds per output token after the first
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, chunk: Chunk, now: float, start: float, first_at: list[float]) -> None:
         if chunk.token_ids:
@@ -66,6 +70,7 @@ class GenerateResult:
                 self.tpot_s = (now - first_at[0]) / (len(self.token_ids) + len(chunk.token_ids) - 1)
         self.request_id = chunk.request_id
         self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
         self.text += chunk.text
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
@@ -74,7 +79,7 @@ class GenerateResult:
 def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                   prompt_token_ids: list[int] | None = None, request_id: str = "", model: str = "", **params) -> pb.GenerateRequest:
     """``params``: SamplingParams fields (max_tokens, temperature, top_p, top_k, seed,
-    min_tokens, stop, stop_token_ids, ignore_eos). Raises ValueError for an unknown one."""
+    min_tokens, stop, stop_token_ids, ignore_eos, logprobs). Raises ValueError for an unknown one."""
     try:
         sampling = pb.SamplingParams(**params)
     except ValueError as e:

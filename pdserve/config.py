@@ -28,6 +28,7 @@ class ModelConfig:
 @dataclass
 class RayConfig:
     address: str | None = None
+    metrics_export_port: int = 8080  # Prometheus endpoint of a head node that `pdserve up` starts
 
 
 @dataclass

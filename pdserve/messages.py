@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_transfer.base import KVHandle
-from pdserve.sampling import SamplingParams
+from pdserve.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -23,6 +23,7 @@ class PrefillResult:
     first_token: int
     finish_reason: str | None  # "stop" / "length" if the first token ends the request
     kv: KVHandle | None
+    first_logprob: TokenLogprob | None = None  # when params.logprobs is set
 
 
 @dataclass
@@ -40,3 +41,4 @@ class TokenChunk:
 
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when params.logprobs is set

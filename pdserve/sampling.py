@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -16,6 +17,7 @@ from pdserve.errors import InvalidRequestError
 # Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS (1e-5) does.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
 MAX_STOP_STRING_CHARS = 256
 
 
@@ -39,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
+    logprobs: int | None = None  # return each sampled token's log-probability and this many top alternatives
 
     def validate(self, num_prompt_tokens: int, max_model_len: int) -> None:
         """Raise InvalidRequestError naming the first bad field.
@@ -63,6 +66,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if self.seed is not None and self.seed < 0:
             raise InvalidRequestError(f"seed must be >= 0, got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
@@ -100,6 +105,30 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int, num_gene
     if params.seed is not None:
         generator = torch.Generator().manual_seed((params.seed * 1_000_003 + position) % (1 << 63))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TopLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model (log_softmax of the raw logits,
+    before temperature, top-k and top-p, as vLLM reports by default) and the ``top`` most
+    likely tokens with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    """logits: [vocab] of the step that sampled ``token_id``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, num_top) if num_top > 0 else None
+    pairs = [TopLogprob(i, v) for i, v in zip(top.indices.tolist(), top.values.tolist())] if top is not None else []
+    return TokenLogprob(token_id, float(logprobs[token_id]), pairs)
 
 
 def finish_reason(token_id: int, num_generated: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> str | None:

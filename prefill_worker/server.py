@@ -10,6 +10,7 @@ from pdserve.config import ClusterConfig
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import PrefillRequest, PrefillResult
+from pdserve.metrics import PoolMetrics
 from pdserve.worker import build_engine
 
 PREFILL_DEADLINE_S = 300.0  # longest a prompt may wait and run before the request fails
@@ -36,6 +37,7 @@ class PrefillServer:
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or _node_ip(), fingerprint=fingerprint,
                                      block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path)
         self.num_requests = 0
+        self.metrics = PoolMetrics("prefill", self.cfg.model.path, self._stats)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Raises InvalidRequestError for a request that breaks the shared limits,
@@ -53,13 +55,17 @@ class PrefillServer:
         if chunk.finish_reason is None:  # decode will continue: lease the prompt's blocks to it
             source = PagedKVSource(self.engine.kv_cache, seq.block_table, seq.num_prompt_tokens, self.engine.free_blocks)
             handle = self.kv_sender.put(request.request_id, source, self.cfg.prefill.kv_lease_s)
-        return PrefillResult(request.request_id, seq.token_ids[-1], chunk.finish_reason, handle)
+        first_logprob = seq.logprobs[-1] if seq.logprobs else None
+        return PrefillResult(request.request_id, seq.token_ids[-1], chunk.finish_reason, handle, first_logprob)
 
     async def release(self, transfer_id: str) -> bool:
         """Free a request's KV early (the router calls this when a request is cancelled)."""
         return self.kv_sender.release(transfer_id)
 
     async def stats(self) -> dict[str, int]:
+        return self._stats()
+
+    def _stats(self) -> dict[str, int]:
         return {"num_requests": self.num_requests, **self.engine.stats(), **self.kv_sender.stats()}
 
     def check_health(self) -> None:
@@ -67,6 +73,8 @@ class PrefillServer:
             raise RuntimeError("prefill engine thread has stopped")
 
     def __del__(self):
+        if hasattr(self, "metrics"):
+            self.metrics.close()
         if hasattr(self, "kv_sender"):
             self.kv_sender.close()
         if hasattr(self, "loop"):

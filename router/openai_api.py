@@ -51,12 +51,16 @@ class _Common(BaseModel):
         bad = [name for name, default in (("n", 1), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)) if getattr(self, name) != default]
         return bad + (["logit_bias"] if self.logit_bias else [])
 
+    def num_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop,
             stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            logprobs=self.num_logprobs(),
         )
 
 
@@ -69,8 +73,10 @@ class CompletionRequest(_Common):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        return bad + [n for n, ok in (("echo", not self.echo), ("logprobs", self.logprobs is None),
-                                      ("best_of", self.best_of in (None, 1)), ("suffix", not self.suffix)) if not ok]
+        return bad + [n for n, ok in (("echo", not self.echo), ("best_of", self.best_of in (None, 1)), ("suffix", not self.suffix)) if not ok]
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -94,9 +100,10 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        return bad + (["logprobs"] if self.logprobs or self.top_logprobs else [])
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse(model_cls: type[BaseModel], body: bytes) -> Any:
@@ -135,30 +142,57 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def completion_logprobs(tokenizer, logprobs: list, text_offset: int = 0) -> dict:
+    """OpenAI's completions ``logprobs`` object for ``logprobs`` (pb TokenLogprob), the first
+    token at character ``text_offset`` of the choice's text."""
+    tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{tokenizer.decode([t.token_id]): t.logprob for t in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer, logprobs: list) -> dict:
+    """OpenAI's chat ``logprobs`` object ({"content": [...]}) for pb TokenLogprob entries."""
+    def entry(token_id: int, logprob: float) -> dict:
+        token = tokenizer.decode([token_id])
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]} for lp in logprobs]}
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                        logprobs: dict | None = None) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def chat_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                  logprobs: dict | None = None) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:

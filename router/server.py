@@ -1,7 +1,8 @@
 """Router: the ingress deployment. It serves ``pdserve.rpc.Generator`` on Ray Serve's gRPC
 proxy and the OpenAI-compatible HTTP API (router/openai_api.py) on its HTTP proxy.
 
-The request path is one linear coroutine (``_generate``):
+The request path is one linear coroutine (``_stream``, wrapped by ``_generate`` for
+detokenization, stop strings and metrics):
 tokenize + validate -> prefill pool (first token, KV handle) -> decode pool
 (fetches the KV, streams the rest) -> detokenize, apply stop strings, stream to the client.
 
@@ -26,6 +27,7 @@ from pdserve.config import ClusterConfig
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.messages import DecodeRequest, PrefillRequest
+from pdserve.metrics import RouterMetrics
 from pdserve.model_loader import load_tokenizer, resolve_model_dir
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
@@ -37,6 +39,10 @@ log = logging.getLogger(__name__)
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _logprob_pb(lp) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
 def served_model_name(cfg: ClusterConfig) -> str:
@@ -59,6 +65,7 @@ class Router:
         self.max_model_len = max_model_len(self.cfg, model_config)
         self.model_name = served_model_name(self.cfg)
         self.created = int(time.time())
+        self.metrics = RouterMetrics(self.model_name)
 
     # -- parsing ---------------------------------------------------------------
 
@@ -96,7 +103,7 @@ class Router:
         self._check_token_ids("stop_token_ids", list(p.stop_token_ids))
         return SamplingParams(
             stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, stop=tuple(p.stop),
-            **{name: getattr(p, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens") if p.HasField(name)},
+            **{name: getattr(p, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs") if p.HasField(name)},
         )
 
     def _parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
@@ -178,18 +185,25 @@ class Router:
             return self._http_error(e)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(rid, chat, first, stream, include_usage), media_type="text/event-stream")
-        text, last = first.text, first
+            sse = self._sse(rid, chat, first, stream, include_usage, params.logprobs is not None)
+            return StreamingResponse(sse, media_type="text/event-stream")
+        text, last, logprobs = first.text, first, list(first.logprobs)
         try:
             async for chunk in stream:
                 text, last = text + chunk.text, chunk
+                logprobs.extend(chunk.logprobs)
         except Exception as e:  # noqa: BLE001
             return self._http_error(e)
+        finally:
+            await stream.aclose()
+        lp = None
+        if params.logprobs is not None:
+            lp = oa.chat_logprobs(self.tokenizer, logprobs) if chat else oa.completion_logprobs(self.tokenizer, logprobs)
         make = oa.chat_response if chat else oa.completion_response
-        return make(rid, self.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return make(rid, self.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
 
-    async def _sse(self, rid: str, chat: bool, first: pb.GenerateResponse, stream, include_usage: bool):
-        created, last = int(time.time()), first
+    async def _sse(self, rid: str, chat: bool, first: pb.GenerateResponse, stream, include_usage: bool, with_logprobs: bool):
+        created, last, offset = int(time.time()), first, 0
         try:
             if chat:
                 yield oa.sse(oa.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None))
@@ -198,9 +212,12 @@ class Router:
                 reason = chunk.finish_reason or None
                 if chat:
                     delta = {"content": chunk.text} if chunk.text else {}
-                    yield oa.sse(oa.chat_chunk(rid, self.model_name, created, delta, reason))
+                    lp = oa.chat_logprobs(self.tokenizer, chunk.logprobs) if with_logprobs else None
+                    yield oa.sse(oa.chat_chunk(rid, self.model_name, created, delta, reason, lp))
                 else:
-                    yield oa.sse(oa.completion_chunk(rid, self.model_name, created, chunk.text, reason))
+                    lp = oa.completion_logprobs(self.tokenizer, chunk.logprobs, offset) if with_logprobs else None
+                    offset += sum(len(t) for t in lp["tokens"]) if lp else 0
+                    yield oa.sse(oa.completion_chunk(rid, self.model_name, created, chunk.text, reason, lp))
                 last = chunk
                 if reason:
                     break
@@ -229,27 +246,53 @@ class Router:
         detok = IncrementalDetokenizer(self.tokenizer)
         stop = StopStringMatcher(params.stop)
         num_prompt, num_generated = len(prompt_ids), 0
+        start = last_token_at = time.perf_counter()
+        reason = "abort"  # until a chunk says otherwise
 
-        def response(token_ids: list[int], finish_reason: str | None) -> pb.GenerateResponse:
-            nonlocal num_generated
+        def response(token_ids: list[int], finish_reason: str | None, logprobs=None) -> pb.GenerateResponse:
+            nonlocal num_generated, last_token_at, reason
+            now = time.perf_counter()
+            if token_ids:
+                if num_generated == 0:
+                    self.metrics.ttft.observe(now - start)
+                else:
+                    for _ in token_ids:  # one gap per token, as vLLM counts it
+                        self.metrics.itl.observe((now - last_token_at) / len(token_ids))
+                last_token_at = now
+                self.metrics.generation_tokens.inc(len(token_ids))
             num_generated += len(token_ids)
             text = stop.push(detok.add(token_ids) + (detok.finish() if finish_reason else ""))
             if stop.matched is not None:
                 finish_reason = "stop"
             elif finish_reason:
                 text += stop.flush()
+            if finish_reason:
+                reason = finish_reason
             return pb.GenerateResponse(
                 request_id=client_request_id, token_ids=token_ids, text=text, finish_reason=finish_reason or "",
-                prompt_tokens=num_prompt, completion_tokens=num_generated,
+                prompt_tokens=num_prompt, completion_tokens=num_generated, logprobs=[_logprob_pb(lp) for lp in logprobs or ()],
             )
 
+        self.metrics.prompt_tokens.inc(num_prompt)
+        chunks = self._stream(request_id, prompt_ids, params, response)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()  # now, not at garbage collection: frees both pools' KV
+            self.metrics.finished.inc(tags={"finished_reason": reason})
+            self.metrics.e2e.observe(time.perf_counter() - start)
+
+    async def _stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams, response) -> AsyncIterator[pb.GenerateResponse]:
+        """prefill -> hand-off -> stream decode; ``response`` turns token ids into client chunks."""
         first = await self.prefill.prefill.remote(PrefillRequest(request_id, prompt_ids, params))
         if first.finish_reason is not None:  # done after one token: decode never runs
-            yield response([] if first.finish_reason == "stop" else [first.first_token], first.finish_reason)
+            stopped = first.finish_reason == "stop"  # the stop token is not returned
+            yield response([] if stopped else [first.first_token], first.finish_reason, None if stopped else [first.first_logprob] if first.first_logprob else None)
             return
         stream, finished = None, False
         try:
-            chunk = response([first.first_token], None)
+            chunk = response([first.first_token], None, [first.first_logprob] if first.first_logprob else None)
             yield chunk
             if chunk.finish_reason:  # a stop string in the first token's text
                 return
@@ -257,7 +300,7 @@ class Router:
             stream = self.decode.options(stream=True).generate.remote(decode_request)
             async for item in stream:
                 finished = item.finish_reason is not None
-                chunk = response(item.token_ids, item.finish_reason)
+                chunk = response(item.token_ids, item.finish_reason, item.logprobs)
                 yield chunk
                 if chunk.finish_reason:  # finished, or a stop string: the decode stream is cancelled below
                     return

@@ -17,7 +17,7 @@ from pdserve.client import Client
 
 pytestmark = pytest.mark.e2e
 
-GRPC_PORT, HTTP_PORT = 9110, 8110
+GRPC_PORT, HTTP_PORT, METRICS_PORT = 9110, 8110, 8181
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "combined movable metal type, oil-based ink and a screw press adapted from wine making. "
@@ -38,7 +38,7 @@ def cluster():
     from pdserve.deploy import deploy
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     cfg = ClusterConfig.from_dict(
         {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT}}
     )
@@ -244,6 +244,56 @@ def test_min_tokens_holds_even_when_the_first_token_would_stop(cluster, referenc
     assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
 
 
+def test_a_character_split_across_the_prefill_decode_handoff_streams_whole(cluster, reference, oai):
+    """The first token (sampled in prefill) is the first bytes of a Japanese character whose
+    rest comes from decode: no chunk carries a broken character, and streamed, collected
+    and decode(ids) texts are all the same."""
+    _, tokenizer = reference
+    messages = [{"role": "user", "content": "Write the word Tokyo in Japanese characters."}]
+    chunks = list(cluster.stream(messages=messages, max_tokens=12))
+    ids = [i for c in chunks for i in c.token_ids]
+    assert tokenizer.decode(ids[:1]).endswith("\ufffd"), "needs a first token that is part of a character"
+    assert chunks[0].token_ids and chunks[0].text == ""  # held back until decode completes it
+    assert all("\ufffd" not in c.text for c in chunks)
+    text = "".join(c.text for c in chunks)
+    assert text == tokenizer.decode(ids, skip_special_tokens=True) == cluster.generate(messages=messages, max_tokens=12).text
+    streamed = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+
+
+def test_logprobs_are_the_models_and_cross_the_handoff(cluster, reference):
+    model, tokenizer = reference
+    prompt = text_prompt(tokenizer, 25)
+    chunks = list(cluster.stream(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True, logprobs=3))
+    ids = [i for c in chunks for i in c.token_ids]
+    lps = [lp for c in chunks for lp in c.logprobs]
+    assert len(lps) == len(ids) == 6  # the first from prefill, the rest from decode
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()  # [6, vocab]
+    want = torch.log_softmax(logits, -1)
+    for pos, (token, lp) in enumerate(zip(ids, lps)):
+        assert lp.token_id == token and len(lp.top) == 3
+        assert lp.top[0].token_id == token and lp.top[0].logprob == pytest.approx(lp.logprob)  # greedy: the top one
+        assert lp.logprob == pytest.approx(float(want[pos, token]), abs=1e-4)
+        assert [t.token_id for t in lp.top] == torch.topk(want[pos], 3).indices.tolist()
+
+
+def test_same_seed_same_tokens_alone_or_in_a_crowd(cluster, reference):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, tokenizer = reference
+    prompt = text_prompt(tokenizer, 18)
+    args = dict(prompt_token_ids=prompt, max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = cluster.generate(**args).token_ids
+    with ThreadPoolExecutor(6) as pool:
+        others = [pool.submit(cluster.generate, prompt_token_ids=text_prompt(tokenizer, 30 + i), max_tokens=12, temperature=1.0)
+                  for i in range(5)]
+        crowd = pool.submit(cluster.generate, **args).result().token_ids
+        [f.result() for f in others]
+    assert alone == crowd and len(set(alone)) > 1
+    assert cluster.generate(**{**args, "seed": 99}).token_ids != alone
+
+
 # -- OpenAI-compatible HTTP, through the real openai client --------------------------------
 
 @pytest.fixture(scope="module")
@@ -285,6 +335,23 @@ def test_openai_chat_streamed_equals_non_streamed(oai, reference):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
 
 
+def test_openai_logprobs(oai):
+    done = oai.completions.create(model="smollm2", prompt="The sky is", max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) == 5 and "".join(lp.tokens) == done.choices[0].text
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    chat = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens  # one per returned token (a stop token is not returned)
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    streamed = list(oai.completions.create(model="smollm2", prompt="The sky is", max_tokens=5, temperature=0, logprobs=2,
+                                           stream=True, extra_body={"ignore_eos": True}))
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
 def test_openai_stop_string_is_not_returned(oai):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     full = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0).choices[0].message.content
@@ -298,7 +365,8 @@ def test_openai_stop_string_is_not_returned(oai):
     ({"n": 2}, "unsupported parameter"),
     ({"temperature": -1}, "temperature"),
     ({"prompt": ""}, "prompt is empty"),
-    ({"logprobs": 2}, "unsupported parameter"),
+    ({"logprobs": 50}, "logprobs must be in"),
+    ({"echo": True}, "unsupported parameter"),
 ])
 def test_openai_bad_input_is_a_400_in_openai_shape(oai, kwargs, message):
     import openai
@@ -319,6 +387,29 @@ def test_openai_malformed_body_is_a_400(cluster):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=30)
     assert info.value.code == 400 and "messages" in json.loads(info.value.read())["error"]["message"]
+
+
+def test_prometheus_endpoint_has_the_pdserve_metrics(cluster):
+    """After the requests above, Ray's metrics agent exports pdserve's metrics (vLLM's names
+    with a pdserve_ prefix; Ray adds ray_). Ray reports every few seconds, hence the wait."""
+    import time
+    import urllib.request
+
+    wanted = ["time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_count",
+              "prompt_tokens_total", "generation_tokens_total", 'request_success_total{', "num_requests_running",
+              "num_requests_waiting", "kv_cache_usage_perc", "kv_transfer_bytes_total", "kv_transfer_seconds_count"]
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        if all(f"ray_pdserve_{w}" in text for w in wanted):
+            break
+        time.sleep(2)
+    missing = [w for w in wanted if f"ray_pdserve_{w}" not in text]
+    assert not missing, missing
+    lines = [line for line in text.splitlines() if line.startswith("ray_pdserve_request_success_total{") and 'finished_reason="length"' in line]
+    assert lines and float(lines[0].rsplit(" ", 1)[1]) >= 1
+    assert 'pool="decode"' in text and 'pool="prefill"' in text and 'transport="shm"' in text
 
 
 def test_nothing_is_left_held_or_running(cluster):

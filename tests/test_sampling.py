@@ -74,3 +74,16 @@ def test_min_tokens_and_stop_strings_are_validated():
         SamplingParams(max_tokens=2, min_tokens=3).validate(1, 100)
     with pytest.raises(InvalidRequestError, match="stop"):
         SamplingParams(stop=("",)).validate(1, 100)
+
+
+def test_token_logprob_is_log_softmax_with_top_alternatives():
+    from pdserve.sampling import token_logprob
+
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    lp = token_logprob(logits, 2, num_top=2)
+    want = torch.log_softmax(logits, -1)
+    assert lp.token_id == 2 and lp.logprob == pytest.approx(float(want[2]))
+    assert [t for t, _ in lp.top] == [1, 2] and lp.top[0][1] == pytest.approx(float(want[1]))
+    assert token_logprob(logits, 0, num_top=0).top == []
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        SamplingParams(logprobs=21).validate(1, 100)

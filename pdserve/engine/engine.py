@@ -19,7 +19,7 @@ from pdserve.engine.model_runner import PagedModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_layout import KVSpec
-from pdserve.sampling import finish_reason, sample
+from pdserve.sampling import finish_reason, sample, token_logprob
 
 
 @dataclass
@@ -103,6 +103,8 @@ class Engine:
                     continue
                 token = sample(row, seq.params, position=seq.num_tokens, num_generated=seq.num_generated, eos_token_ids=self.eos_token_ids)
                 seq.token_ids.append(token)
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(token_logprob(row, token, seq.params.logprobs))
                 seq.finish_reason = finish_reason(token, seq.num_generated, seq.params, self.eos_token_ids)
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)

@@ -105,7 +105,9 @@ class EngineLoop:
                 continue
             for seq in outputs:
                 reason = seq.finish_reason
-                self._emit(seq, TokenChunk([] if reason == "stop" else [seq.token_ids[-1]], reason))
+                stopped = reason == "stop"  # the stop token itself is not returned
+                logprobs = None if seq.params.logprobs is None else ([] if stopped else seq.logprobs[-1:])
+                self._emit(seq, TokenChunk([] if stopped else [seq.token_ids[-1]], reason, logprobs))
                 if seq.status is SeqStatus.FINISHED:
                     self._outputs.pop(seq.request_id, None)
             if self.engine.num_steps == steps_before:  # work is waiting for blocks: don't spin

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from pdserve.sampling import SamplingParams
+from pdserve.sampling import SamplingParams, TokenLogprob
 
 
 class SeqStatus(Enum):
@@ -28,6 +28,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when params.logprobs is set
 
     @property
     def num_tokens(self) -> int:
