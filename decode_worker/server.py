@@ -47,17 +47,22 @@ async def receive_kv(kv_cache: PagedKVCache, receiver: KVReceiver, handle: KVHan
 
 class DecodeServer:
     """Receives each request's prompt KV straight into its own blocks, then decodes it in
-    the shared running batch (continuous batching, one forward per step)."""
+    the shared running batch (continuous batching, one forward per step).
 
-    def __init__(self, config: dict[str, Any]):
+    With ``pool="colocated"`` it is the colocated mode's only worker: requests come without
+    KV, and the same engine prefills them (chunks mixed into the decode steps) and decodes.
+    """
+
+    def __init__(self, config: dict[str, Any], pool: str = "decode"):
         self.cfg = ClusterConfig.from_dict(config)
-        self.engine, fingerprint = build_engine(self.cfg, "decode")
+        self.pool = pool
+        self.engine, fingerprint = build_engine(self.cfg, pool)
         self.loop = EngineLoop(self.engine)
         self.kv_receiver = make_receiver(self.cfg.kv_transfer, fingerprint=fingerprint)
         self.num_kv_fetched = 0
         self.num_kv_faults = 0  # fetches that failed; each recomputed or failed per kv_transfer.on_fault
         self.num_recomputed = 0
-        self.metrics = PoolMetrics("decode", self.cfg.model.path, self._stats)
+        self.metrics = PoolMetrics(pool, self.cfg.model.path, self._stats)
 
     async def _reserve(self, num_tokens: int, deadline: float) -> list[int]:
         """Blocks for the incoming KV; they count as used from now on, so admission sees them."""
@@ -80,6 +85,10 @@ class DecodeServer:
         request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
         timeout_s = self.cfg.kv_transfer.timeout_s
         num_prompt = len(request.prompt_ids)
+        if request.kv is None:  # colocated: prefill here, first token included
+            async for item in self._run(Sequence(request.request_id, list(request.prompt_ids), num_prompt, request.params), []):
+                yield item
+            return
         blocks = await self._reserve(num_prompt, time.monotonic() + timeout_s)
         try:
             start = time.perf_counter()
@@ -105,6 +114,11 @@ class DecodeServer:
             request.request_id, [*request.prompt_ids, request.first_token], num_prompt, request.params,
             num_computed_tokens=num_prompt if blocks else 0, block_table=blocks,
         )
+        async for item in self._run(seq, blocks):
+            yield item
+
+    async def _run(self, seq: Sequence, blocks: list[int]) -> AsyncIterator[TokenChunk]:
+        """Submit ``seq`` (holding ``blocks``, freed if it cannot be queued) and stream its tokens."""
         try:
             queue = self.loop.submit(seq)
         except BaseException:

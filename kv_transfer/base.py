@@ -16,10 +16,14 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.kv_layout import KVSpec
+
+if TYPE_CHECKING:
+    from kv_transfer.lease import LeaseTable
 
 
 @dataclass(frozen=True)
@@ -88,23 +92,26 @@ class TensorKVSink(KVSink):
 
 
 class KVSender(ABC):
-    """Prefill side: holds each prompt's KV under a lease until acknowledged or expired."""
+    """Prefill side: holds each prompt's KV under a lease (``self.table``, a
+    kv_transfer.lease.LeaseTable) until acknowledged or expired."""
+
+    table: "LeaseTable"
 
     @abstractmethod
     def put(self, transfer_id: str, source: KVSource, lease_s: float) -> KVHandle:
         """Hold ``source`` for at most ``lease_s`` seconds. Raises KeyError for a duplicate id."""
 
-    @abstractmethod
     def release(self, transfer_id: str) -> bool:
         """Free the KV now (decode confirmed receipt, or a cancel). False if already gone."""
+        return self.table.release(transfer_id)
 
-    @abstractmethod
     def pop_finished(self) -> list[tuple[str, str]]:
         """Transfers that ended since the last call: (transfer_id, "released" | "expired")."""
+        return self.table.pop_finished()
 
-    @abstractmethod
     def stats(self) -> dict[str, int]:
         """Counters: num_held, bytes_held, num_released, num_expired."""
+        return self.table.stats()
 
     @abstractmethod
     def close(self) -> None: ...

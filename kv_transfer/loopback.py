@@ -33,15 +33,6 @@ class LoopbackKVSender(KVSender):
         self.table.hold(transfer_id, source, lease_s)
         return KVHandle("loopback", self.address, transfer_id, source.num_tokens)
 
-    def release(self, transfer_id: str) -> bool:
-        return self.table.release(transfer_id)
-
-    def pop_finished(self) -> list[tuple[str, str]]:
-        return self.table.pop_finished()
-
-    def stats(self) -> dict[str, int]:
-        return self.table.stats()
-
     def close(self) -> None:
         with _lock:
             _senders.pop(self.address, None)

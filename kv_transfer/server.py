@@ -152,15 +152,6 @@ class KVServer(KVSender):
         self.table.hold(transfer_id, source, lease_s)
         return KVHandle(self.backend, self.address, transfer_id, source.num_tokens, self.node_id, self.shm_path or "", self.instance_id)
 
-    def release(self, transfer_id: str) -> bool:
-        return self.table.release(transfer_id)
-
-    def pop_finished(self) -> list[tuple[str, str]]:
-        return self.table.pop_finished()
-
-    def stats(self) -> dict[str, int]:
-        return self.table.stats()
-
     def close(self) -> None:
         self._server.stop(grace=None)
         self.table.close()

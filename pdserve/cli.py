@@ -200,5 +200,21 @@ def generate(
     )
 
 
+bench_app = typer.Typer(help="Benchmarks against a running endpoint.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def bench_serve(ctx: typer.Context) -> None:
+    """Load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, SLO attainment); --help for options."""
+    import argparse
+
+    from bench import serve as bench_serve_module
+
+    parser = argparse.ArgumentParser(prog="pdserve bench serve", description=bench_serve_module.__doc__.split("\n\n")[0])
+    bench_serve_module.add_arguments(parser)
+    bench_serve_module.main(parser.parse_args(ctx.args))
+
+
 if __name__ == "__main__":
     app()

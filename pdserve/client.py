@@ -98,8 +98,8 @@ def _retryable(e: grpc.RpcError, got_any: bool, attempt: int, retries: int, dead
     return wait if time.monotonic() + wait < deadline else None
 
 
-class Stream:
-    """Iterator of Chunk for one request; ``cancel()`` ends it (the server frees everything)."""
+class _Call:
+    """One request's call state, shared by Stream and AsyncStream."""
 
     def __init__(self, stub, request: pb.GenerateRequest, timeout_s: float, retries: int, backoff_s: float):
         self._stub, self._request = stub, request
@@ -108,28 +108,39 @@ class Stream:
         self._call = None
         self._cancelled = False
 
+    def _start(self):
+        self._call = self._stub.Generate(self._request, timeout=max(0.001, self._deadline - time.monotonic()))
+        if self._cancelled:
+            self._call.cancel()
+        return self._call
+
+    def _retry_after(self, e: grpc.RpcError, got_any: bool, attempt: int) -> float | None:
+        return None if self._cancelled else _retryable(e, got_any, attempt, self._retries, self._deadline, self._backoff_s)
+
+    def cancel(self) -> None:
+        """End the request; the server frees its KV and queue places."""
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+
+class Stream(_Call):
+    """Iterator of Chunk for one request; ``cancel()`` ends it (the server frees everything)."""
+
     def __iter__(self) -> Iterator[Chunk]:
         attempt, got_any = 0, False
         while True:
-            self._call = self._stub.Generate(self._request, timeout=max(0.001, self._deadline - time.monotonic()))
-            if self._cancelled:
-                self._call.cancel()
             try:
-                for message in self._call:
+                for message in self._start():
                     got_any = True
                     yield Chunk.from_pb(message)
                 return
             except grpc.RpcError as e:
-                wait = None if self._cancelled else _retryable(e, got_any, attempt, self._retries, self._deadline, self._backoff_s)
+                wait = self._retry_after(e, got_any, attempt)
                 if wait is None:
                     raise
                 attempt += 1
                 time.sleep(wait)
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        if self._call is not None:
-            self._call.cancel()
 
 
 class Client:
@@ -168,36 +179,23 @@ class Client:
         self.close()
 
 
-class AsyncStream:
+class AsyncStream(_Call):
     """Async iterator of Chunk for one request; ``cancel()`` ends it."""
-
-    def __init__(self, stub, request: pb.GenerateRequest, timeout_s: float, retries: int, backoff_s: float):
-        self._stub, self._request = stub, request
-        self._deadline = time.monotonic() + timeout_s
-        self._retries, self._backoff_s = retries, backoff_s
-        self._call = None
-        self._cancelled = False
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         attempt, got_any = 0, False
         while True:
-            self._call = self._stub.Generate(self._request, timeout=max(0.001, self._deadline - time.monotonic()))
             try:
-                async for message in self._call:
+                async for message in self._start():
                     got_any = True
                     yield Chunk.from_pb(message)
                 return
             except grpc.RpcError as e:
-                wait = None if self._cancelled else _retryable(e, got_any, attempt, self._retries, self._deadline, self._backoff_s)
+                wait = self._retry_after(e, got_any, attempt)
                 if wait is None:
                     raise
                 attempt += 1
                 await asyncio.sleep(wait)
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        if self._call is not None:
-            self._call.cancel()
 
 
 class AsyncClient:

@@ -80,8 +80,14 @@ class KVTransferConfig:
     on_fault: str = "recompute"
 
 
+MODES = ("disaggregated", "colocated")
+
+
 @dataclass
 class ClusterConfig:
+    # disaggregated: prefill and decode pools; colocated: one pool doing both (the baseline
+    # comparisons run against), sized by the `colocated` section
+    mode: str = "disaggregated"
     model: ModelConfig = field(default_factory=ModelConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -89,6 +95,13 @@ class ClusterConfig:
     decode: PoolConfig = field(
         default_factory=lambda: PoolConfig(
             autoscaling_config=_default_autoscaling(16), max_ongoing_requests=64
+        )
+    )
+    colocated: PoolConfig = field(
+        default_factory=lambda: PoolConfig(
+            autoscaling_config=_default_autoscaling(16), max_ongoing_requests=64,
+            ray_actor_options={"num_cpus": 2, "num_gpus": 0, "resources": {}},
+            max_num_batched_tokens=512, chunk_size=512,  # prefill chunks beside the decodes, as Sarathi-Serve
         )
     )
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -100,6 +113,9 @@ class ClusterConfig:
         for section, values in (raw or {}).items():
             if section not in {f.name for f in dataclasses.fields(cls)}:
                 raise ConfigError(f"cluster.yaml: unknown section {section!r}")
+            if section == "mode":
+                cfg.mode = values
+                continue
             target = getattr(cfg, section)
             known = {f.name for f in dataclasses.fields(target)}
             for key, value in (values or {}).items():
@@ -120,6 +136,8 @@ class ClusterConfig:
             return cls.from_dict(yaml.safe_load(f))
 
     def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be disaggregated or colocated, not {self.mode!r}")
         if self.model.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
         if self.kv_transfer.backend not in KV_BACKENDS:
@@ -133,7 +151,7 @@ class ClusterConfig:
             raise ConfigError("kv_transfer.chunk_bytes must be at least 1024")
         if self.prefill.kv_lease_s <= 0:
             raise ConfigError("prefill.kv_lease_s must be > 0 seconds")
-        for name in ("prefill", "decode"):
+        for name in ("prefill", "decode", "colocated"):
             pool = getattr(self, name)
             for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "chunk_size"):
                 if not isinstance(getattr(pool, key), int) or getattr(pool, key) < 1:

@@ -1,8 +1,9 @@
 """Build and run the Ray Serve application from a ClusterConfig.
 
-Three deployments: ``prefill`` and ``decode`` (each its own replicas,
-resources and autoscaling from cluster.yaml) and the ``router`` ingress,
-reached through Ray Serve's gRPC proxy.
+Disaggregated (the default): three deployments, ``prefill`` and ``decode`` (each its own
+replicas, resources and autoscaling from cluster.yaml) and the ``router`` ingress, reached
+through Ray Serve's gRPC and HTTP proxies. Colocated (``mode: colocated``): ``colocated``
+(one pool running both phases, the same engine) and the router.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ def build_app(cfg: ClusterConfig) -> serve.Application:
     from router import Router
 
     config = cfg.to_dict()
-    prefill = serve.deployment(PrefillServer).options(**_pool_options("prefill", cfg.prefill)).bind(config)
-    decode = serve.deployment(DecodeServer).options(**_pool_options("decode", cfg.decode)).bind(config)
+    if cfg.mode == "colocated":
+        prefill = None
+        decode = serve.deployment(DecodeServer).options(**_pool_options("colocated", cfg.colocated)).bind(config, "colocated")
+    else:
+        prefill = serve.deployment(PrefillServer).options(**_pool_options("prefill", cfg.prefill)).bind(config)
+        decode = serve.deployment(DecodeServer).options(**_pool_options("decode", cfg.decode)).bind(config)
     router = serve.deployment(Router).options(
         name="router",
         num_replicas=cfg.router.num_replicas,

@@ -28,11 +28,14 @@ class PrefillResult:
 
 @dataclass
 class DecodeRequest:
+    """Disaggregated: the first token and the KV handle from prefill. Colocated (or any
+    worker asked to do it all): both None, and the worker prefills and samples token 1 itself."""
+
     request_id: str
     prompt_ids: list[int]
-    first_token: int  # sampled by prefill; decode continues after it
+    first_token: int | None  # sampled by prefill; decode continues after it
     params: SamplingParams
-    kv: KVHandle
+    kv: KVHandle | None
 
 
 @dataclass

@@ -55,8 +55,8 @@ app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggreg
 @serve.ingress(app)
 class Router:
     def __init__(self, prefill, decode, config: dict[str, Any]):
-        self.prefill = prefill  # DeploymentHandle of PrefillServer
-        self.decode = decode  # DeploymentHandle of DecodeServer
+        self.prefill = prefill  # DeploymentHandle of PrefillServer; None in colocated mode
+        self.decode = decode  # DeploymentHandle of DecodeServer (the colocated pool in colocated mode)
         self.cfg = ClusterConfig.from_dict(config)
         model_dir = resolve_model_dir(self.cfg.model.path)
         self.tokenizer = load_tokenizer(model_dir)
@@ -285,6 +285,19 @@ class Router:
 
     async def _stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams, response) -> AsyncIterator[pb.GenerateResponse]:
         """prefill -> hand-off -> stream decode; ``response`` turns token ids into client chunks."""
+        if self.prefill is None:  # colocated: one pool does it all
+            stream, finished = self.decode.options(stream=True).generate.remote(DecodeRequest(request_id, prompt_ids, None, params, None)), False
+            try:
+                async for item in stream:
+                    finished = item.finish_reason is not None
+                    chunk = response(item.token_ids, item.finish_reason, item.logprobs)
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+            finally:
+                if not finished:  # cancelled, failed or stopped by a stop string
+                    stream.cancel()
+            return
         first = await self.prefill.prefill.remote(PrefillRequest(request_id, prompt_ids, params))
         if first.finish_reason is not None:  # done after one token: decode never runs
             stopped = first.finish_reason == "stop"  # the stop token is not returned

@@ -294,6 +294,28 @@ def test_same_seed_same_tokens_alone_or_in_a_crowd(cluster, reference):
     assert cluster.generate(**{**args, "seed": 99}).token_ids != alone
 
 
+def test_async_client_sdk_against_the_cluster(cluster, reference):
+    import asyncio
+
+    from pdserve.client import AsyncClient
+
+    model, tokenizer = reference
+    prompts = [text_prompt(tokenizer, n) for n in (9, 21, 33)]
+
+    async def main():
+        async with AsyncClient(f"127.0.0.1:{GRPC_PORT}") as client:
+            health = await client.health()
+            results = await asyncio.gather(*(client.generate(prompt_token_ids=p, max_tokens=5, ignore_eos=True, timeout_s=120)
+                                             for p in prompts))
+            return health, results
+
+    health, results = asyncio.run(main())
+    assert health.ok
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_generate(model, prompt, 5, ignore_eos=True) and result.finish_reason == "length"
+        assert result.ttft_s > 0 and result.completion_tokens == 5
+
+
 # -- OpenAI-compatible HTTP, through the real openai client --------------------------------
 
 @pytest.fixture(scope="module")

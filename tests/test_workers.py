@@ -110,3 +110,31 @@ def test_incompatible_workers_fail_even_under_recompute(workers, reference):
         prefill.kv_sender.fingerprint = fp
     p, d = asyncio.run(settle(prefill, decode))
     assert p["num_held"] == 0 and d["num_free_blocks"] == d["num_blocks"]
+
+
+def test_seeded_sampling_is_the_same_disaggregated_or_not(workers, reference):
+    """temperature > 0 with a seed: prefill samples token 1 and decode the rest, yet the
+    tokens equal one engine doing it all (the random stream is keyed by seed and position)."""
+    from pdserve.engine.sequence import Sequence
+    from test_engine import run_to_completion
+
+    backend, prefill, decode = workers
+    prompt, _ = reference
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_k=50, seed=2024, ignore_eos=True)
+
+    async def disaggregated():
+        first = await prefill.prefill(PrefillRequest(f"seed-{backend}", prompt, params))
+        tokens = [first.first_token]
+        async for chunk in decode.generate(DecodeRequest(f"seed-{backend}", prompt, first.first_token, params, first.kv)):
+            tokens.extend(chunk.token_ids)
+        return tokens
+
+    got = asyncio.run(disaggregated())
+    from pdserve.engine.engine import Engine, EngineConfig
+
+    # one engine doing both phases, on the same weights
+    engine = Engine(decode.engine.runner.model, EngineConfig(num_blocks=64), decode.engine.eos_token_ids, decode.engine.max_model_len)
+    seq = Sequence("alone", list(prompt), len(prompt), params)
+    engine.add(seq)
+    run_to_completion(engine)
+    assert got == seq.token_ids[len(prompt):] and len(set(got)) > 1
