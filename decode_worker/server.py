@@ -86,9 +86,21 @@ class DecodeServer:
         timeout_s = self.cfg.kv_transfer.timeout_s
         num_prompt = len(request.prompt_ids)
         if request.kv is None:  # colocated: prefill here, first token included
-            async for item in self._run(Sequence(request.request_id, list(request.prompt_ids), num_prompt, request.params), []):
+            seq, blocks = Sequence(request.request_id, list(request.prompt_ids), num_prompt, request.params), []
+        else:
+            seq, blocks = await self._receive(request, num_prompt, timeout_s)
+        # Close the inner generator here, not at garbage collection: when a client leaves,
+        # Ray closes this generator at its yield, and only then is the sequence aborted at once.
+        run = self._run(seq, blocks)
+        try:
+            async for item in run:
                 yield item
-            return
+        finally:
+            await run.aclose()
+
+    async def _receive(self, request: DecodeRequest, num_prompt: int, timeout_s: float) -> tuple[Sequence, list[int]]:
+        """Reserve blocks and fetch the prompt's KV into them; on a fault, recompute or raise
+        (kv_transfer.on_fault). Returns the sequence to run and the blocks it holds."""
         blocks = await self._reserve(num_prompt, time.monotonic() + timeout_s)
         try:
             start = time.perf_counter()
@@ -114,8 +126,7 @@ class DecodeServer:
             request.request_id, [*request.prompt_ids, request.first_token], num_prompt, request.params,
             num_computed_tokens=num_prompt if blocks else 0, block_table=blocks,
         )
-        async for item in self._run(seq, blocks):
-            yield item
+        return seq, blocks
 
     async def _run(self, seq: Sequence, blocks: list[int]) -> AsyncIterator[TokenChunk]:
         """Submit ``seq`` (holding ``blocks``, freed if it cannot be queued) and stream its tokens."""

@@ -18,6 +18,7 @@ one node, so both have it where either does.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 
@@ -70,7 +71,10 @@ def checksums(kv_cache: PagedKVCache, block_ids: list[int]) -> list[int]:
 
 
 class ShmReader:
-    """Receiver side: maps senders' pool files (a few at a time) and copies blocks out of them."""
+    """Receiver side: maps senders' pool files (a few at a time) and copies blocks out of them.
+
+    A mapping keeps its pool's memory alive after the sender removes the file, so the
+    mappings of pools whose file is gone are dropped whenever a new one is mapped."""
 
     def __init__(self, max_mapped: int = 8):
         self._maps: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -80,6 +84,8 @@ class ShmReader:
     def _map(self, path: str, spec: KVSpec, num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
             if path not in self._maps:
+                for gone in [p for p in self._maps if not os.path.exists(p)]:  # senders that shut down: unmap their pools
+                    del self._maps[gone]
                 try:
                     self._maps[path] = map_pool_file(path, spec, num_blocks, block_size)
                 except (OSError, ValueError) as e:

@@ -216,5 +216,21 @@ def bench_serve(ctx: typer.Context) -> None:
     bench_serve_module.main(parser.parse_args(ctx.args))
 
 
+@bench_app.command("goodput", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def bench_goodput(ctx: typer.Context) -> None:
+    """Highest request rate meeting both SLOs for 90% of requests (rate sweep); --help for options."""
+    from bench import goodput
+
+    goodput.main(ctx.args)
+
+
+@app.command("tune", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def tune(ctx: typer.Context) -> None:
+    """Recommend the prefill:decode split for a workload and SLOs (profile + simulation); --help for options."""
+    from bench import tune as tune_module
+
+    tune_module.main(ctx.args)
+
+
 if __name__ == "__main__":
     app()

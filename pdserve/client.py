@@ -118,7 +118,8 @@ class _Call:
         return None if self._cancelled else _retryable(e, got_any, attempt, self._retries, self._deadline, self._backoff_s)
 
     def cancel(self) -> None:
-        """End the request; the server frees its KV and queue places."""
+        """End the request; the server frees its KV and queue places. Iteration then stops
+        without an error."""
         self._cancelled = True
         if self._call is not None:
             self._call.cancel()
@@ -136,6 +137,8 @@ class Stream(_Call):
                     yield Chunk.from_pb(message)
                 return
             except grpc.RpcError as e:
+                if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                    return  # our own cancel(): the stream just ends
                 wait = self._retry_after(e, got_any, attempt)
                 if wait is None:
                     raise
@@ -179,6 +182,12 @@ class Client:
         self.close()
 
 
+def _current_task_cancelling() -> bool:
+    """Whether the running task itself is being cancelled (then CancelledError must propagate)."""
+    task = asyncio.current_task()
+    return bool(task is not None and getattr(task, "cancelling", lambda: 0)())
+
+
 class AsyncStream(_Call):
     """Async iterator of Chunk for one request; ``cancel()`` ends it."""
 
@@ -190,6 +199,10 @@ class AsyncStream(_Call):
                     got_any = True
                     yield Chunk.from_pb(message)
                 return
+            except asyncio.CancelledError:
+                if self._cancelled and not _current_task_cancelling():
+                    return  # our own cancel() (grpc.aio raises CancelledError for it): the stream just ends
+                raise
             except grpc.RpcError as e:
                 wait = self._retry_after(e, got_any, attempt)
                 if wait is None:

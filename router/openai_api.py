@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.errors import CapacityError, InvalidRequestError, KVIncompatibleError, KVTransferError
 from pdserve.sampling import SamplingParams
@@ -26,30 +26,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields OpenAI clients send that change nothing here; any other unknown field is refused.
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: "10" is not a number and true is not a count; null means "the default"
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = ""
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float | None = None  # None: 1.0, as OpenAI
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    n: int = 1
-    stream: bool = False
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    n: int | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
     def unsupported(self) -> list[str]:
-        """Parameters set to something pdserve does not implement."""
-        bad = [name for name, default in (("n", 1), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)) if getattr(self, name) != default]
-        return bad + (["logit_bias"] if self.logit_bias else [])
+        """Parameters set to something pdserve does not implement, and unknown ones."""
+        bad = [name for name, default in (("n", 1), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
+               if getattr(self, name) not in (None, default)]
+        bad += ["logit_bias"] if self.logit_bias else []
+        return bad + sorted(k for k in (self.model_extra or {}) if k not in IGNORED_FIELDS)
 
     def num_logprobs(self) -> int | None:
         return None
@@ -58,15 +65,16 @@ class _Common(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop,
-            stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-            logprobs=self.num_logprobs(),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
+            min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(),
         )
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: bool = False
+    echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -79,25 +87,31 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
     role: str
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ContentPart], None] = None
 
     def text(self) -> str:
+        """Raises InvalidRequestError for a non-text part (images, audio, files)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            other = [p.type for p in self.content if p.type != "text" or p.text is None]
+            if other:
+                raise InvalidRequestError(f"message content of type {other[0]!r} is not supported: this model takes text only")
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
 
     def num_logprobs(self) -> int | None:
@@ -125,6 +139,8 @@ def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int]
     p = request.prompt
     if isinstance(p, str):
         return p, None
+    if not p:
+        raise InvalidRequestError("prompt is empty: it must have at least 1 token")
     if p and all(isinstance(x, int) for x in p):
         return None, list(p)
     if len(p) == 1:

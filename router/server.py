@@ -11,16 +11,19 @@ annotations at runtime, through Ray Serve's class-based ingress.)
 """
 
 
+import asyncio
 import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from transformers import AutoConfig
 
+from router import http
 from router import openai_api as oa
 
 from pdserve.config import ClusterConfig
@@ -32,13 +35,14 @@ from pdserve.model_loader import load_tokenizer, resolve_model_dir
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from pdserve.worker import max_model_len
-from router.errors import _message, grpc_status_for
+from router.errors import grpc_status_for
 from router.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per context token is refused untokenized
 
 
 def _logprob_pb(lp) -> pb.TokenLogprob:
@@ -50,6 +54,13 @@ def served_model_name(cfg: ClusterConfig) -> str:
 
 
 app = FastAPI(title="pdserve", description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and methods answer in OpenAI's error shape too."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return JSONResponse(oa.error_body(f"{exc.detail}: {request.method} {request.url.path}", kind, exc.status_code), status_code=exc.status_code)
 
 
 @serve.ingress(app)
@@ -69,7 +80,20 @@ class Router:
 
     # -- parsing ---------------------------------------------------------------
 
+    def _check_text_size(self, num_chars: int) -> None:
+        """Refuse text far beyond the context before spending time tokenizing it."""
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if num_chars > limit:
+            raise InvalidRequestError(f"prompt is {num_chars} characters, more than a {self.max_model_len}-token context can hold (limit {limit})")
+
+    def _text_ids(self, text: str) -> list[int]:
+        self._check_text_size(len(text))
+        return list(self.tokenizer(text).input_ids) if text else []
+
     def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+        if not messages:
+            raise InvalidRequestError("messages is empty: send at least one message")
+        self._check_text_size(sum(len(content) for _, content in messages))
         for role, _ in messages:
             if role not in CHAT_ROLES:
                 raise InvalidRequestError(f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}")
@@ -92,7 +116,7 @@ class Router:
             ids = list(request.prompt_token_ids)
             self._check_token_ids("prompt_token_ids", ids)
             return ids
-        return list(self.tokenizer(request.prompt).input_ids) if request.prompt else []
+        return self._text_ids(request.prompt)
 
     def _check_token_ids(self, field: str, ids: list[int]) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -116,11 +140,13 @@ class Router:
     # -- gRPC methods ------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
+        responses = None
         try:
-            prompt_ids, params = self._parse(request)
+            prompt_ids, params = await asyncio.to_thread(self._parse, request)  # tokenizing stays off the event loop
             # Internal ids are always unique; the client's request_id is only echoed back.
             internal_id = uuid.uuid4().hex
-            async for response in self._generate(internal_id, request.request_id or internal_id, prompt_ids, params):
+            responses = self._generate(internal_id, request.request_id or internal_id, prompt_ids, params)
+            async for response in responses:
                 yield response
         except Exception as e:
             code, message = grpc_status_for(e)
@@ -130,6 +156,9 @@ class Router:
                 grpc_context.set_code(code)
                 grpc_context.set_details(message)
             raise
+        finally:
+            if responses is not None:  # at once, not at garbage collection: a client that left frees both pools now
+                await responses.aclose()
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
         return pb.HealthResponse(ok=True, model=self.model_name, max_model_len=self.max_model_len)
@@ -147,96 +176,11 @@ class Router:
 
     @app.post("/v1/completions")
     async def http_completions(self, request: Request):
-        return await self._http(await request.body(), chat=False)
+        return await http.handle(self, await request.body(), chat=False)
 
     @app.post("/v1/chat/completions")
     async def http_chat_completions(self, request: Request):
-        return await self._http(await request.body(), chat=True)
-
-    def _parse_http(self, body: bytes, chat: bool) -> tuple[Any, list[int], SamplingParams]:
-        if chat:
-            req = oa.parse(oa.ChatCompletionRequest, body)
-            self._check_model(req.model)
-            prompt_ids = self._chat_ids([(m.role, m.text()) for m in req.messages])
-            if req.max_completion_tokens is not None:
-                req.max_tokens = req.max_completion_tokens
-            params = req.sampling_params(default_max_tokens=max(1, self.max_model_len - len(prompt_ids)))
-        else:
-            req = oa.parse(oa.CompletionRequest, body)
-            self._check_model(req.model)
-            text, ids = oa.completion_prompt(req)
-            if ids is not None:
-                self._check_token_ids("prompt", ids)
-            prompt_ids = ids if ids is not None else (list(self.tokenizer(text).input_ids) if text else [])
-            params = req.sampling_params(default_max_tokens=16)
-        self._check_token_ids("stop_token_ids", list(params.stop_token_ids))
-        params.validate(len(prompt_ids), self.max_model_len)
-        return req, prompt_ids, params
-
-    async def _http(self, body: bytes, chat: bool):
-        """One OpenAI request: errors before the first token get their HTTP status and
-        OpenAI's error shape; a stream that fails later ends with an error event."""
-        rid = oa.new_id("chatcmpl" if chat else "cmpl")
-        try:
-            req, prompt_ids, params = self._parse_http(body, chat)
-            stream = self._generate(uuid.uuid4().hex, rid, prompt_ids, params)
-            first = await stream.__anext__()
-        except Exception as e:  # noqa: BLE001 - every error gets a status and a message
-            return self._http_error(e)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            sse = self._sse(rid, chat, first, stream, include_usage, params.logprobs is not None)
-            return StreamingResponse(sse, media_type="text/event-stream")
-        text, last, logprobs = first.text, first, list(first.logprobs)
-        try:
-            async for chunk in stream:
-                text, last = text + chunk.text, chunk
-                logprobs.extend(chunk.logprobs)
-        except Exception as e:  # noqa: BLE001
-            return self._http_error(e)
-        finally:
-            await stream.aclose()
-        lp = None
-        if params.logprobs is not None:
-            lp = oa.chat_logprobs(self.tokenizer, logprobs) if chat else oa.completion_logprobs(self.tokenizer, logprobs)
-        make = oa.chat_response if chat else oa.completion_response
-        return make(rid, self.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
-
-    async def _sse(self, rid: str, chat: bool, first: pb.GenerateResponse, stream, include_usage: bool, with_logprobs: bool):
-        created, last, offset = int(time.time()), first, 0
-        try:
-            if chat:
-                yield oa.sse(oa.chat_chunk(rid, self.model_name, created, {"role": "assistant", "content": ""}, None))
-            chunk = first
-            while True:
-                reason = chunk.finish_reason or None
-                if chat:
-                    delta = {"content": chunk.text} if chunk.text else {}
-                    lp = oa.chat_logprobs(self.tokenizer, chunk.logprobs) if with_logprobs else None
-                    yield oa.sse(oa.chat_chunk(rid, self.model_name, created, delta, reason, lp))
-                else:
-                    lp = oa.completion_logprobs(self.tokenizer, chunk.logprobs, offset) if with_logprobs else None
-                    offset += sum(len(t) for t in lp["tokens"]) if lp else 0
-                    yield oa.sse(oa.completion_chunk(rid, self.model_name, created, chunk.text, reason, lp))
-                last = chunk
-                if reason:
-                    break
-                chunk = await stream.__anext__()
-            if include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                yield oa.sse(oa.usage_chunk(rid, self.model_name, created, obj, last.prompt_tokens, last.completion_tokens))
-        except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
-            status, kind = oa.error_status(e)
-            yield oa.sse(oa.error_body(_message(e), kind, status))
-        finally:
-            await stream.aclose()
-        yield oa.sse("[DONE]")
-
-    def _http_error(self, exc: BaseException) -> JSONResponse:
-        status, kind = oa.error_status(exc)
-        if status == 500:
-            log.error("request failed", exc_info=exc)
-        return JSONResponse(oa.error_body(_message(exc), kind, status), status_code=status)
+        return await http.handle(self, await request.body(), chat=True)
 
     # -- the request path -------------------------------------------------------
 

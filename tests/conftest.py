@@ -41,3 +41,27 @@ def real_model_dir():
     from pdserve.model_loader import resolve_model_dir
 
     return resolve_model_dir("smollm2")
+
+
+def serve_cluster(config: dict, **ray_init):
+    """Generator for module fixtures: a local Ray (2 CPUs) with pdserve deployed from
+    ``config`` (a cluster.yaml mapping); yields a Client on its gRPC port, then shuts all down."""
+    import os
+
+    import ray
+    from ray import serve
+
+    from pdserve.client import Client
+    from pdserve.config import ClusterConfig
+    from pdserve.deploy import deploy
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **ray_init)
+    cfg = ClusterConfig.from_dict(config)
+    deploy(cfg)
+    client = Client(f"127.0.0.1:{cfg.router.grpc_port}")
+    client.health(timeout_s=30)
+    yield client
+    client.close()
+    serve.shutdown()
+    ray.shutdown()

@@ -87,3 +87,37 @@ def test_async_client_retries_and_types_its_results(serve):
 def test_unknown_sampling_parameter_is_refused_client_side():
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         Client("127.0.0.1:1").stream("hi", temprature=0.5)
+
+
+class Slow(pb_grpc.GeneratorServicer):
+    def Generate(self, request, context):
+        for i in range(50):
+            yield pb.GenerateResponse(token_ids=[i], text="x")
+            if not context.is_active():
+                return
+            import time
+
+            time.sleep(0.1)
+
+
+def test_cancel_ends_the_stream_without_an_error(serve):
+    address = serve(Slow())
+    with Client(address) as client:
+        stream = client.stream("hi")
+        got = []
+        for chunk in stream:
+            got.append(chunk)
+            if len(got) == 2:
+                stream.cancel()
+    assert len(got) == 2
+
+    async def main():
+        async with AsyncClient(address) as client:
+            stream, got = client.stream("hi"), []
+            async for chunk in stream:
+                got.append(chunk)
+                if len(got) == 2:
+                    stream.cancel()
+            return got
+
+    assert len(asyncio.run(main())) == 2

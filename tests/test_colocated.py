@@ -4,14 +4,12 @@ that disaggregation is compared against must give the same greedy answers."""
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import reference_generate
-from pdserve.client import Client
+from conftest import reference_generate, serve_cluster
 from test_e2e import text_prompt
 
 pytestmark = pytest.mark.e2e
@@ -20,25 +18,10 @@ GRPC_PORT, HTTP_PORT = 9130, 8130
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray import serve
-
-    from pdserve.config import ClusterConfig
-    from pdserve.deploy import deploy
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    cfg = ClusterConfig.from_dict({
+    yield from serve_cluster({
         "mode": "colocated", "model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT},
         "colocated": {"chunk_size": 64, "max_num_batched_tokens": 96},  # long prompts go in chunks beside decodes
     })
-    deploy(cfg)
-    client = Client(f"127.0.0.1:{GRPC_PORT}")
-    client.health(timeout_s=30)
-    yield client
-    client.close()
-    serve.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +94,19 @@ def test_bench_serve_load_generator_against_the_cluster(cluster, tmp_path):
     assert [r["output_tokens"] for r in saved["requests"]] == [4 + i % 3 for i in range(1, 7)]  # trace cycled after the warm-up
     assert all(r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] for r in saved["requests"])
     assert (tmp_path / "out" / "serve.png").stat().st_size > 0
+
+
+def test_bench_goodput_sweeps_rates_and_finds_the_limit(cluster, tmp_path):
+    import json
+
+    from bench import goodput
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"prompt_tokens": 12, "output_tokens": 3}) + "\n" for _ in range(3)))
+    common = ["--base-url", f"http://127.0.0.1:{HTTP_PORT}/v1", "--dataset", str(trace), "--num-requests", "4",
+              "--start-rate", "1", "--factor", "4", "--max-rate", "4", "--bisect", "0", "--out", str(tmp_path)]
+    loose = goodput.main([*common, "--label", "loose", "--ttft-slo", "120", "--tpot-slo", "60"])
+    assert loose["goodput_rps"] == 4 and [p["rate"] for p in loose["points"]] == [1, 4]  # met at every rate tried
+    strict = goodput.main([*common, "--label", "strict", "--ttft-slo", "0.0001", "--compare", str(tmp_path / "goodput-loose.json")])
+    assert strict["goodput_rps"] is None and strict["points"][0]["slo_attainment"] == 0  # no rate meets a 0.1 ms TTFT
+    assert (tmp_path / "goodput.png").stat().st_size > 0

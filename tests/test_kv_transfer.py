@@ -3,7 +3,6 @@ fingerprints, injected faults, and 500 transfers with random cancellations."""
 
 import asyncio
 import random
-import threading
 import time
 
 import pytest
@@ -341,3 +340,18 @@ def test_500_transfers_with_random_cancellations_leave_nothing_held(tmp_path, mo
         receiver.close()
         sender.close()
         src.close()
+
+
+@needs_shm
+def test_mappings_of_removed_pools_are_dropped(tmp_path):
+    """A decode worker must not keep a stopped prefill worker's pool memory alive."""
+    from kv_transfer.shm_backend import ShmReader
+
+    reader = ShmReader()
+    old = PagedKVCache(SPEC, 8, 4, shm_path=str(tmp_path / "old"))
+    new = PagedKVCache(SPEC, 8, 4, shm_path=str(tmp_path / "new"))
+    reader._map(old.shm_path, SPEC, 8, 4)
+    old.close()  # the sender shut down and removed its file
+    reader._map(new.shm_path, SPEC, 8, 4)
+    assert list(reader._maps) == [new.shm_path]
+    new.close()

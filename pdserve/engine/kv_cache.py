@@ -93,8 +93,10 @@ def map_pool_file(path: str, spec: KVSpec, num_blocks: int, block_size: int, cre
             os.ftruncate(fd, nbytes)
         elif os.fstat(fd).st_size != nbytes:
             raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, a pool of this shape {nbytes}")
-        # a reader maps the whole pool's page tables now: first touches would fault per 4 KB page mid-transfer
-        flags = mmap.MAP_SHARED | (0 if create else getattr(mmap, "MAP_POPULATE", 0))
+        # populate now, as torch.zeros does for a private pool: the creator allocates every page
+        # (else a reader's first transfer would allocate them, seconds for a large pool), and a
+        # reader maps them all at once (else it faults per 4 KB page in the middle of a copy)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         buf = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

@@ -1,0 +1,190 @@
+"""P:D ratio tuning: ``pdserve tune``.
+
+Following DistServe (Zhong et al., OSDI 2024, sec. 4), it profiles one prefill replica and
+one decode replica of the model on this machine, then predicts, for each split of
+``--workers`` replicas into n_p prefill + n_d decode, the goodput: the highest Poisson rate
+at which at least ``--attainment`` of requests meet both SLOs. The prediction is a
+discrete-event simulation of the workload (lengths from ``--dataset``):
+
+- prefill: n_p FCFS servers, one prompt at a time, service time from the profiled prefill
+  latency fit ``a + b L + c L^2`` (L = prompt tokens); TTFT = queueing + service;
+- decode: n_d servers running continuous batching; every step serves each running request
+  one token and takes the profiled step time ``d + e B`` at batch size B; TPOT = the mean
+  step time a request saw. KV transfer is left out (under 1% of TTFT here, bench/transfer.py).
+
+It prints the predicted goodput of every split, per replica too, and writes the best as a
+cluster.yaml fragment. ``--check URL`` runs ``pdserve bench goodput`` against a deployed
+cluster (e.g. the recommended split) and prints predicted against measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import time
+from pathlib import Path
+
+from bench import serve
+
+
+def profile(model_name: str, dtype: str, prompt_lengths: list[int], batches: list[int], context: int) -> dict:
+    """Seconds per prefill at each prompt length, per decode step at each batch size (one thread)."""
+    import torch
+
+    from bench.engine import pdserve_decode_step, pdserve_prefill
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.model_loader import load_model, resolve_model_dir
+
+    torch.set_num_threads(1)
+    model = load_model(resolve_model_dir(model_name), dtype)
+    blocks = max(max(batches) * -(-(context + 8) // 16), -(-max(prompt_lengths) // 16)) + 8
+    engine = Engine(model, EngineConfig(num_blocks=blocks, max_num_seqs=max(batches), enable_prefix_caching=False), frozenset(), 8192)
+    prefill = {n: pdserve_prefill(engine, n, repeats=1) for n in prompt_lengths}
+    decode = {b: pdserve_decode_step(engine, b, context, repeats=2) for b in batches}
+    return {"model": model_name, "dtype": dtype, "context": context,
+            "prefill_s": {str(k): v for k, v in prefill.items()}, "decode_step_s": {str(k): v for k, v in decode.items()}}
+
+
+def fit(profile_: dict) -> tuple[tuple[float, float, float], tuple[float, float]]:
+    """Least-squares (a, b, c) of prefill seconds = a + b L + c L^2, and (d, e) of step seconds = d + e B."""
+    import numpy as np
+
+    lengths = np.array([float(k) for k in profile_["prefill_s"]])
+    t = np.array(list(profile_["prefill_s"].values()))
+    a, b, c = np.linalg.lstsq(np.stack([np.ones_like(lengths), lengths, lengths**2], 1), t, rcond=None)[0]
+    batch = np.array([float(k) for k in profile_["decode_step_s"]])
+    s = np.array(list(profile_["decode_step_s"].values()))
+    d, e = np.linalg.lstsq(np.stack([np.ones_like(batch), batch], 1), s, rcond=None)[0]
+    return (max(a, 0.0), max(b, 0.0), max(c, 0.0)), (max(d, 1e-4), max(e, 0.0))
+
+
+def simulate(specs: list[serve.RequestSpec], rate: float, n_prefill: int, n_decode: int, prefill_fit, decode_fit, seed: int = 0):
+    """(TTFT, TPOT) per request, in seconds, for Poisson arrivals at ``rate``."""
+    rng = random.Random(seed)
+    a, b, c = prefill_fit
+    d, e = decode_fit
+    t, free_at = 0.0, [0.0] * n_prefill
+    ready = []  # (time the first token is out, index)
+    ttft = [0.0] * len(specs)
+    for i, spec in enumerate(specs):
+        t += rng.expovariate(rate)
+        k = min(range(n_prefill), key=free_at.__getitem__)
+        start = max(t, free_at[k])
+        free_at[k] = start + a + b * spec.prompt_tokens + c * spec.prompt_tokens**2
+        ttft[i] = free_at[k] - t
+        ready.append((free_at[k], i))
+    ready.sort()
+    # decode: each replica steps its whole batch; a request joins at the first step after its first token
+    left = [max(spec.output_tokens - 1, 0) for spec in specs]
+    step_sum, step_count = [0.0] * len(specs), [0] * len(specs)
+    clocks, batches = [0.0] * n_decode, [[] for _ in range(n_decode)]
+    pending = list(ready)  # sorted by ready time
+    heapq.heapify(pending)
+    while pending or any(batches):
+        # the replica that acts next: the earliest clock among busy ones, or an idle one when work is ready
+        k = min(range(n_decode), key=lambda j: clocks[j] if batches[j] else max(clocks[j], pending[0][0]) if pending else float("inf"))
+        if not batches[k]:
+            clocks[k] = max(clocks[k], pending[0][0])
+        while pending and pending[0][0] <= clocks[k]:
+            _, i = heapq.heappop(pending)
+            if left[i] > 0:
+                batches[k].append(i)
+        if not batches[k]:
+            continue
+        step = d + e * len(batches[k])
+        clocks[k] += step
+        still = []
+        for i in batches[k]:
+            step_sum[i] += step
+            step_count[i] += 1
+            left[i] -= 1
+            if left[i]:
+                still.append(i)
+        batches[k] = still
+    tpot = [s / n if n else 0.0 for s, n in zip(step_sum, step_count)]
+    return ttft, tpot
+
+
+def attainment(ttft, tpot, ttft_slo, tpot_slo) -> float:
+    return sum(1 for x, y in zip(ttft, tpot) if x <= ttft_slo and y <= tpot_slo) / len(ttft)
+
+
+def predicted_goodput(specs, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, target, max_rate=256.0) -> float:
+    """Highest rate (req/s) with simulated attainment >= target; 0 if none."""
+    lo, hi = 0.0, max_rate
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        ttft, tpot = simulate(specs, mid, n_prefill, n_decode, prefill_fit, decode_fit)
+        lo, hi = (mid, hi) if attainment(ttft, tpot, ttft_slo, tpot_slo) >= target else (lo, mid)
+    return lo
+
+
+def fragment(n_prefill: int, n_decode: int) -> str:
+    def pool(name, n):
+        return (f"{name}:\n  autoscaling_config:\n    min_replicas: {n}\n    max_replicas: {n}\n"
+                f"  ray_actor_options:\n    num_cpus: 1\n")
+    return "# written by pdserve tune\nmode: disaggregated\n" + pool("prefill", n_prefill) + pool("decode", n_decode)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="pdserve tune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dataset", default="chat", help="chat | long | JSONL trace (see bench/traces)")
+    parser.add_argument("--workers", type=int, default=2, help="replicas (one core each) to split between the pools")
+    parser.add_argument("--ttft-slo", type=float, default=5.0)
+    parser.add_argument("--tpot-slo", type=float, default=0.2)
+    parser.add_argument("--attainment", type=float, default=0.9)
+    parser.add_argument("--num-requests", type=int, default=400, help="simulated requests per rate")
+    parser.add_argument("--profile", default=None, help="reuse a profile JSON instead of profiling")
+    parser.add_argument("--prompt-lengths", default="64,256,1024,2048")
+    parser.add_argument("--batches", default="1,4,16,32")
+    parser.add_argument("--check", default=None, help="OpenAI base URL of a deployed cluster to measure goodput on")
+    parser.add_argument("--out", default="bench/out/tune")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = serve.load_specs(args.dataset, args.num_requests, 0, 8192)
+    if args.profile:
+        prof = json.loads(Path(args.profile).read_text())
+    else:
+        mean_ctx = int(sum(s.prompt_tokens + s.output_tokens / 2 for s in specs) / len(specs))
+        start = time.perf_counter()
+        prof = profile(args.model, args.dtype, [int(x) for x in args.prompt_lengths.split(",")],
+                       [int(x) for x in args.batches.split(",")], mean_ctx)
+        print(f"profiled in {time.perf_counter() - start:.0f} s", flush=True)
+        (out / "profile.json").write_text(json.dumps(prof, indent=2))
+    prefill_fit, decode_fit = fit(prof)
+    rows = []
+    for n_p in range(1, args.workers):
+        n_d = args.workers - n_p
+        g = predicted_goodput(specs, n_p, n_d, prefill_fit, decode_fit, args.ttft_slo, args.tpot_slo, args.attainment)
+        rows.append({"prefill": n_p, "decode": n_d, "predicted_goodput_rps": g, "per_replica_rps": g / args.workers})
+    rows.sort(key=lambda r: -r["predicted_goodput_rps"])
+    best = rows[0] if rows else None
+    print(f"\n{'P:D':>5} | {'goodput req/s':>13} | {'per replica':>11}   ({args.dataset}, TTFT <= {args.ttft_slo} s, TPOT <= {args.tpot_slo} s, "
+          f"{args.attainment:.0%})")
+    for r in rows:
+        print(f"{r['prefill']}:{r['decode']:<3} | {r['predicted_goodput_rps']:>13.3f} | {r['per_replica_rps']:>11.3f}")
+    result = {"dataset": args.dataset, "workers": args.workers, "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo,
+              "attainment": args.attainment, "prefill_fit_s": prefill_fit, "decode_step_fit_s": decode_fit, "splits": rows}
+    if best:
+        (out / "cluster-fragment.yaml").write_text(fragment(best["prefill"], best["decode"]))
+        print(f"\nrecommended: {best['prefill']} prefill : {best['decode']} decode -> {out / 'cluster-fragment.yaml'}")
+    if args.check and best:
+        from bench import goodput
+
+        measured = goodput.main(["--base-url", args.check, "--dataset", args.dataset, "--ttft-slo", str(args.ttft_slo),
+                                 "--tpot-slo", str(args.tpot_slo), "--attainment", str(args.attainment),
+                                 "--label", f"{best['prefill']}P{best['decode']}D", "--out", str(out)])
+        result["check"] = {"split": f"{best['prefill']}:{best['decode']}", "predicted_rps": best["predicted_goodput_rps"],
+                           "measured_rps": measured["goodput_rps"]}
+        print(f"check: predicted {best['predicted_goodput_rps']:.3f} req/s, measured {measured['goodput_rps']} req/s")
+    (out / "tune.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

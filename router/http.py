@@ -1,0 +1,107 @@
+"""The OpenAI-compatible HTTP API's request handling, for the router's FastAPI routes
+(router/server.py): parse and validate, run the request path, answer in OpenAI's shapes
+(router/openai_api.py), streamed as server-sent events or whole."""
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.rpc import generate_pb2 as pb
+from pdserve.sampling import SamplingParams
+from router import openai_api as oa
+from router.errors import _message
+
+log = logging.getLogger(__name__)
+
+
+def parse(router, body: bytes, chat: bool) -> tuple[Any, list[int], SamplingParams]:
+    if chat:
+        req = oa.parse(oa.ChatCompletionRequest, body)
+        router._check_model(req.model)
+        prompt_ids = router._chat_ids([(m.role, m.text()) for m in req.messages])
+        if req.max_completion_tokens is not None:
+            req.max_tokens = req.max_completion_tokens
+        params = req.sampling_params(default_max_tokens=max(1, router.max_model_len - len(prompt_ids)))
+    else:
+        req = oa.parse(oa.CompletionRequest, body)
+        router._check_model(req.model)
+        text, ids = oa.completion_prompt(req)
+        if ids is not None:
+            router._check_token_ids("prompt", ids)
+        prompt_ids = ids if ids is not None else router._text_ids(text)
+        params = req.sampling_params(default_max_tokens=16)
+    router._check_token_ids("stop_token_ids", list(params.stop_token_ids))
+    params.validate(len(prompt_ids), router.max_model_len)
+    return req, prompt_ids, params
+
+
+async def handle(router, body: bytes, chat: bool):
+    """One OpenAI request: errors before the first token get their HTTP status and
+    OpenAI's error shape; a stream that fails later ends with an error event."""
+    rid = oa.new_id("chatcmpl" if chat else "cmpl")
+    try:
+        req, prompt_ids, params = await asyncio.to_thread(parse, router, body, chat)  # tokenizing stays off the event loop
+        stream = router._generate(uuid.uuid4().hex, rid, prompt_ids, params)
+        first = await stream.__anext__()
+    except Exception as e:  # noqa: BLE001 - every error gets a status and a message
+        return error_response(e)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        sse = sse_stream(router, rid, chat, first, stream, include_usage, params.logprobs is not None)
+        return StreamingResponse(sse, media_type="text/event-stream")
+    text, last, logprobs = first.text, first, list(first.logprobs)
+    try:
+        async for chunk in stream:
+            text, last = text + chunk.text, chunk
+            logprobs.extend(chunk.logprobs)
+    except Exception as e:  # noqa: BLE001
+        return error_response(e)
+    finally:
+        await stream.aclose()
+    lp = None
+    if params.logprobs is not None:
+        lp = oa.chat_logprobs(router.tokenizer, logprobs) if chat else oa.completion_logprobs(router.tokenizer, logprobs)
+    make = oa.chat_response if chat else oa.completion_response
+    return make(rid, router.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
+
+
+async def sse_stream(router, rid: str, chat: bool, first: pb.GenerateResponse, stream, include_usage: bool, with_logprobs: bool):
+    created, last, offset = int(time.time()), first, 0
+    try:
+        if chat:
+            yield oa.sse(oa.chat_chunk(rid, router.model_name, created, {"role": "assistant", "content": ""}, None))
+        chunk = first
+        while True:
+            reason = chunk.finish_reason or None
+            if chat:
+                delta = {"content": chunk.text} if chunk.text else {}
+                lp = oa.chat_logprobs(router.tokenizer, chunk.logprobs) if with_logprobs else None
+                yield oa.sse(oa.chat_chunk(rid, router.model_name, created, delta, reason, lp))
+            else:
+                lp = oa.completion_logprobs(router.tokenizer, chunk.logprobs, offset) if with_logprobs else None
+                offset += sum(len(t) for t in lp["tokens"]) if lp else 0
+                yield oa.sse(oa.completion_chunk(rid, router.model_name, created, chunk.text, reason, lp))
+            last = chunk
+            if reason:
+                break
+            chunk = await stream.__anext__()
+        if include_usage:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            yield oa.sse(oa.usage_chunk(rid, router.model_name, created, obj, last.prompt_tokens, last.completion_tokens))
+    except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
+        status, kind = oa.error_status(e)
+        yield oa.sse(oa.error_body(_message(e), kind, status))
+    finally:
+        await stream.aclose()
+    yield oa.sse("[DONE]")
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, kind = oa.error_status(exc)
+    if status == 500:
+        log.error("request failed", exc_info=exc)
+    return JSONResponse(oa.error_body(_message(exc), kind, status), status_code=status)
