@@ -46,22 +46,20 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no KV held for transfer {transfer_id!r} (released or lease expired)")
         return source
 
-    def _inject_stall_or_break(self, context) -> None:
-        if self.s.faults.take("timeout"):
+    def _injected_stall_then_break(self) -> bool:
+        """Apply an armed "timeout" (stall now); True if an armed "break" should cut this call.
+        Both are taken as the call arrives, so a stalled call cannot take a fault armed for a later one."""
+        stall, broken = self.s.faults.take("timeout"), self.s.faults.take("break")
+        if stall:
             time.sleep(self.s.faults.stall_s)
-        if self.s.faults.take("break"):
-            context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: connection broken mid-transfer")
+        return broken
 
     def Handshake(self, request, context):
         return kv_pb2.HandshakeResponse(fingerprint=fingerprint_to_proto(self.s.fingerprint), instance_id=self.s.instance_id)
 
     def FetchKV(self, request, context):
         source = self._held(request.transfer_id, context)
-        broken = False
-        if self.s.faults.take("timeout"):
-            time.sleep(self.s.faults.stall_s)
-        if self.s.faults.take("break"):
-            broken = True
+        broken = self._injected_stall_then_break()
         for i, message in enumerate(iter_chunks(request.transfer_id, source, self.s.chunk_bytes, self.s.block_size, self.s.faults)):
             if broken and i == 2:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: stream broken mid-transfer")
@@ -73,7 +71,8 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
         kv_cache = getattr(source, "kv_cache", None)
         if kv_cache is None or kv_cache.shm_path is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill worker's KV pool is not in shared memory")
-        self._inject_stall_or_break(context)
+        if self._injected_stall_then_break():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: connection broken mid-transfer")
         block_ids = shm_backend.block_ids(kv_cache, source.block_table, source.num_tokens)
         # checksum our blocks while the receiver copies them (the C call releases the GIL); ReleaseKV compares
         for tid in [t for t in self.s.checksums if self.s.table.get(t) is None]:  # leases that ended unacknowledged

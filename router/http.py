@@ -34,8 +34,7 @@ def parse(router, body: bytes, chat: bool) -> tuple[Any, list[int], SamplingPara
             router._check_token_ids("prompt", ids)
         prompt_ids = ids if ids is not None else router._text_ids(text)
         params = req.sampling_params(default_max_tokens=16)
-    router._check_token_ids("stop_token_ids", list(params.stop_token_ids))
-    params.validate(len(prompt_ids), router.max_model_len)
+    router._validate(prompt_ids, params)
     return req, prompt_ids, params
 
 

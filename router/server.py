@@ -123,8 +123,12 @@ class Router:
         if bad:
             raise InvalidRequestError(f"{field} has {bad[0]}, outside the vocabulary of {self.vocab_size}")
 
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The checks every request gets, gRPC or HTTP; raises InvalidRequestError."""
+        self._check_token_ids("stop_token_ids", list(params.stop_token_ids))
+        params.validate(len(prompt_ids), self.max_model_len)
+
     def _params(self, p: pb.SamplingParams) -> SamplingParams:
-        self._check_token_ids("stop_token_ids", list(p.stop_token_ids))
         return SamplingParams(
             stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, stop=tuple(p.stop),
             **{name: getattr(p, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs") if p.HasField(name)},
@@ -134,7 +138,7 @@ class Router:
         self._check_model(request.model)
         prompt_ids = self._prompt_ids(request)
         params = self._params(request.params)
-        params.validate(len(prompt_ids), self.max_model_len)
+        self._validate(prompt_ids, params)
         return prompt_ids, params
 
     # -- gRPC methods ------------------------------------------------------------

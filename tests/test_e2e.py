@@ -47,6 +47,19 @@ def pool_stats(name: str) -> dict:
     return serve.get_deployment_handle(name, app_name="pdserve").stats.remote().result()
 
 
+def wait_until_idle(timeout_s: float) -> tuple[dict, dict]:
+    """(prefill, decode) stats once no lease is held and decode runs and holds nothing, or at the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        prefill, decode = pool_stats("prefill"), pool_stats("decode")
+        idle = prefill["num_held"] == 0 and decode["num_running"] == 0 and decode["num_waiting"] == 0 and decode["num_used_blocks"] == 0
+        if idle or time.monotonic() > deadline:
+            return prefill, decode
+        time.sleep(0.25)
+
+
 def text_prompt(tokenizer, num_tokens: int) -> list[int]:
     ids = tokenizer(TEXT * 6).input_ids
     assert len(ids) >= num_tokens
@@ -178,7 +191,6 @@ def test_cancelled_streams_release_everything(cluster, reference):
     (Ray Serve's gRPC proxy does not always pass the cancel on; such a request then runs
     to max_tokens before it is freed, so this waits for that with a deadline.)
     """
-    import time
 
     _, tokenizer = reference
     for i in range(4):
@@ -187,12 +199,7 @@ def test_cancelled_streams_release_everything(cluster, reference):
             if n == 2:
                 break
         call.cancel()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        prefill, decode = pool_stats("prefill"), pool_stats("decode")
-        if prefill["num_held"] == 0 and decode["num_running"] == 0 and decode["num_used_blocks"] == 0:
-            break
-        time.sleep(0.5)
+    prefill, decode = wait_until_idle(60)
     assert prefill["num_held"] == 0 and prefill["num_used_blocks"] == 0
     assert decode["num_running"] == 0 and decode["num_waiting"] == 0 and decode["num_used_blocks"] == 0
     model, _ = reference
@@ -401,7 +408,6 @@ def test_http_clients_that_disconnect_free_decode_at_once(cluster, reference):
     to max_tokens before it is freed, so the deadline allows for that."""
     import http.client
     import json
-    import time
 
     _, tokenizer = reference
     for i in range(6):
@@ -415,12 +421,7 @@ def test_http_clients_that_disconnect_free_decode_at_once(cluster, reference):
         except TimeoutError:
             pass  # the non-streaming ones: hang up while waiting
         conn.close()
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        decode, prefill = pool_stats("decode"), pool_stats("prefill")
-        if decode["num_running"] == 0 and decode["num_waiting"] == 0 and decode["num_used_blocks"] == 0 and prefill["num_held"] == 0:
-            break
-        time.sleep(0.25)
+    prefill, decode = wait_until_idle(90)
     assert decode["num_running"] == 0 and decode["num_used_blocks"] == 0 and prefill["num_held"] == 0, (decode, prefill)
 
 
