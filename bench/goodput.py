@@ -29,9 +29,23 @@ def attainment_at(args, model: str, rate: float, seed: int) -> dict:
 
 
 def sweep(args, model: str) -> tuple[list[dict], float | None]:
-    """Rates rising by ``--factor`` from ``--start-rate`` until attainment drops below target,
-    then ``--bisect`` steps between the last pass and the first miss. Returns (points, goodput)."""
+    """Rates rising by ``--factor`` from ``--start-rate`` until attainment drops below target
+    (or, if the start rate misses, falling by ``--factor`` until one passes, down to ``--min-rate``),
+    then ``--bisect`` steps between the last pass and the first miss. Returns (points, goodput);
+    goodput None = even the lowest rate tried missed."""
     points, rate, best, miss = [], args.start_rate, None, None
+    min_rate = getattr(args, "min_rate", None) or args.start_rate / 8
+    while rate >= min_rate * 0.999:  # the start rate already misses: step down to find a rate that passes
+        point = attainment_at(args, model, rate, args.seed + len(points))
+        points.append(point)
+        if point["slo_attainment"] >= args.attainment:
+            best, rate = rate, rate * args.factor
+            break
+        miss, rate = rate, rate / args.factor
+    if best is None:
+        return sorted(points, key=lambda p: p["rate"]), None
+    if miss is not None:  # found on the way down: bisect between it and the rate above
+        rate = args.max_rate * 2  # skip the upward sweep
     while rate <= args.max_rate:
         point = attainment_at(args, model, rate, args.seed + len(points))
         points.append(point)
@@ -60,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--start-rate", type=float, default=0.1, help="requests/s")
     parser.add_argument("--factor", type=float, default=2.0, help="rate multiplier per sweep step")
     parser.add_argument("--max-rate", type=float, default=64.0)
+    parser.add_argument("--min-rate", type=float, default=None, help="lowest rate tried when the start rate misses (default: start / 8)")
     parser.add_argument("--bisect", type=int, default=2, help="bisection steps after the sweep")
     parser.add_argument("--compare", nargs="*", default=[], help="earlier goodput JSON files to plot beside this run")
     args = parser.parse_args(argv)
@@ -92,7 +107,8 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.plot([p["rate"] for p in run["points"]], [p["slo_attainment"] for p in run["points"]], "o-", label=run["label"])
     ax.axhline(runs[0]["attainment_target"], color="k", linestyle=":", label="target")
     ax.set(xscale="log", xlabel="request rate (req/s)", ylabel="SLO attainment", ylim=(0, 1.05),
-           title=f"{runs[0]['dataset']}: TTFT <= {runs[0]['ttft_slo_s']} s, TPOT <= {runs[0]['tpot_slo_s']} s")
+           title=f"{Path(runs[0]['dataset']).name}: TTFT <= {runs[0]['ttft_slo_s']} s, TPOT <= {runs[0]['tpot_slo_s']} s")
+    ax.title.set_fontsize(10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

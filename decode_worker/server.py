@@ -10,15 +10,17 @@ import time
 from typing import Any, AsyncIterator
 
 from kv_transfer import KVHandle, KVReceiver, make_receiver
+from kv_transfer.factory import node_id
 from kv_transfer.paged import PagedKVSink
+from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
 from pdserve.config import ClusterConfig
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
-from pdserve.errors import CapacityError, KVIncompatibleError, KVTransferError
+from pdserve.errors import CapacityError, KVAuthError, KVIncompatibleError, KVTransferError
 from pdserve.messages import DecodeRequest, TokenChunk
 from pdserve.metrics import PoolMetrics
-from pdserve.worker import build_engine
+from pdserve.worker import build_engine, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +58,17 @@ class DecodeServer:
     def __init__(self, config: dict[str, Any], pool: str = "decode"):
         self.cfg = ClusterConfig.from_dict(config)
         self.pool = pool
+        self.pool_cfg = getattr(self.cfg, pool)
+        self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
         self.engine, fingerprint = build_engine(self.cfg, pool)
         self.loop = EngineLoop(self.engine)
-        self.kv_receiver = make_receiver(self.cfg.kv_transfer, fingerprint=fingerprint)
+        self.kv_receiver = make_receiver(self.cfg.kv_transfer, fingerprint=fingerprint, secret=self.cfg.security.kv_secret)
         self.num_kv_fetched = 0
         self.num_kv_faults = 0  # fetches that failed; each recomputed or failed per kv_transfer.on_fault
         self.num_recomputed = 0
+        self.num_migrated_in = 0  # requests resumed here after their decode replica died
+        self.tpot = LatencyWindow()  # seconds per output token after the first, for autoscaling on TPOT
+        self.busy = BusyMeter()  # busy fraction between autoscaling reports
         self.metrics = PoolMetrics(pool, self.cfg.model.path, self._stats)
 
     async def _reserve(self, num_tokens: int, deadline: float) -> list[int]:
@@ -85,8 +92,12 @@ class DecodeServer:
         request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
         timeout_s = self.cfg.kv_transfer.timeout_s
         num_prompt = len(request.prompt_ids)
-        if request.kv is None:  # colocated: prefill here, first token included
+        if request.kv is None and request.first_token is None:  # colocated: prefill here, first token included
             seq, blocks = Sequence(request.request_id, list(request.prompt_ids), num_prompt, request.params), []
+        elif request.kv is None:  # migrated: recompute the prompt and the tokens already streamed, go on after them
+            self.num_migrated_in += 1
+            done = [*request.prompt_ids, request.first_token, *request.resume_ids]
+            seq, blocks = Sequence(request.request_id, done, num_prompt, request.params), []
         else:
             seq, blocks = await self._receive(request, num_prompt, timeout_s)
         # Close the inner generator here, not at garbage collection: when a client leaves,
@@ -114,12 +125,13 @@ class DecodeServer:
             self.num_kv_faults += 1
             self.metrics.kv_transfer_faults.inc()
             await self._release_quietly(request.kv)  # the sender frees its copy now, not at lease expiry
-            if isinstance(e, KVIncompatibleError) or self.cfg.kv_transfer.on_fault == "fail":
+            if isinstance(e, (KVIncompatibleError, KVAuthError)) or self.cfg.kv_transfer.on_fault == "fail":  # deployment errors are never masked
                 raise
             log.warning("KV fetch for %s failed (%s); recomputing the prompt here", request.request_id, e)
             self.num_recomputed += 1
-        except BaseException:
+        except BaseException:  # cancelled mid-fetch (or a bug): free both sides now
             self.engine.free_blocks(blocks)
+            asyncio.get_running_loop().run_in_executor(None, self._release_sync, request.kv)
             raise
         # with its KV: decode from the first token on; without (recompute): prefill prompt + first token here
         seq = Sequence(
@@ -135,9 +147,14 @@ class DecodeServer:
         except BaseException:
             self.engine.free_blocks(blocks)
             raise
+        last = None
         try:
             while True:
                 item = await self.loop.next_output(queue, STEP_DEADLINE_S)
+                now = time.perf_counter()
+                if last is not None and item.token_ids:  # the first item's wait is TTFT-like: not counted
+                    self.tpot.observe((now - last) / len(item.token_ids))
+                last = now
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -145,23 +162,33 @@ class DecodeServer:
             self.loop.abort(seq)  # no-op once finished
 
     async def _release_quietly(self, handle: KVHandle) -> None:
+        await asyncio.to_thread(self._release_sync, handle)
+
+    def _release_sync(self, handle: KVHandle) -> None:
+        """Tell the sender to free its copy of the KV; if it cannot be reached, its lease expires."""
         try:
-            await asyncio.to_thread(self.kv_receiver.release, handle, 5.0)
+            self.kv_receiver.release(handle, 5.0)
         except KVTransferError:
-            pass  # unreachable: its lease will expire
+            pass
 
     async def stats(self) -> dict[str, int]:
         return self._stats()
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's hook: this replica's load, for pdserve.autoscaling.PoolAutoscaler."""
+        return replica_stats(self.engine.stats(), self.tpot, "tpot", self.busy)
+
     def _stats(self) -> dict[str, int]:
         return {
             "num_kv_fetched": self.num_kv_fetched, "num_kv_faults": self.num_kv_faults, "num_recomputed": self.num_recomputed,
+            "num_migrated_in": self.num_migrated_in,
+            "rss_bytes": rss_bytes(), "node_id": self.node_id,
             **self.engine.stats(), **{f"kv_{k}": v for k, v in self.kv_receiver.stats().items()},
         }
 
     def check_health(self) -> None:
-        if not self.loop.is_alive():
-            raise RuntimeError("decode engine thread has stopped")
+        """Ray Serve's health check: fails if the engine thread died or one step hangs."""
+        self.loop.check_health(self.pool_cfg.max_step_s)
 
     def __del__(self):
         if hasattr(self, "metrics"):

@@ -14,26 +14,34 @@ import time
 import grpc
 
 from kv_transfer import wire
+from kv_transfer.security import channel as channel_to
+from kv_transfer.security import with_secret
 from kv_transfer.base import KVHandle, KVReceiver, KVSink
 from kv_transfer.fingerprint import KVFingerprint
 from kv_transfer.malloc import keep_large_allocations
 from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, receive_stream
 from kv_transfer.server import fingerprint_to_proto
 from kv_transfer.shm_backend import ShmReader
-from pdserve.errors import KVNotFoundError, KVTransferError
+from pdserve.errors import KVAuthError, KVNotFoundError, KVTransferError
 from pdserve.rpc import kv_pb2, kv_pb2_grpc
 
 
 class KVClient(KVReceiver):
-    """``mode``: "grpc" (always stream), "shm" (same node only) or "auto" (shm where it can)."""
+    """``mode``: "grpc" (always stream), "shm" (same node only) or "auto" (shm where it can).
+    ``secret``: sent as metadata on every KV call (security.kv_secret). ``tls_ca_file``:
+    connect with TLS, verifying the server against this CA (``tls_server_name``: the name in
+    its certificate, if not the address's host)."""
 
-    def __init__(self, mode: str = "grpc", fingerprint: KVFingerprint | None = None, node_id: str = ""):
+    def __init__(self, mode: str = "grpc", fingerprint: KVFingerprint | None = None, node_id: str = "", secret: str | None = None,
+                 tls_ca_file: str | None = None, tls_server_name: str | None = None):
         if mode not in ("grpc", "shm", "auto"):
             raise ValueError(f"unknown KV receive mode {mode!r}")
         keep_large_allocations()
         self.mode = mode
         self.fingerprint = fingerprint
         self.node_id = node_id
+        self._secret = secret  # sent on every call (security.kv_secret)
+        self._tls = (tls_ca_file, tls_server_name)  # TLS verified against this CA, when set
         self._stubs: dict[str, kv_pb2_grpc.KVTransferStub] = {}
         self._channels: list[grpc.Channel] = []
         self._verified: set[tuple[str, str]] = set()  # (address, instance_id) with a matching fingerprint
@@ -44,8 +52,9 @@ class KVClient(KVReceiver):
     def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
         with self._lock:
             if address not in self._stubs:
-                channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-                self._channels.append(channel)
+                raw = channel_to(address, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)], *self._tls)
+                self._channels.append(raw)
+                channel = with_secret(raw, self._secret)
                 stub = kv_pb2_grpc.KVTransferStub(channel)
                 # chunks decode into views of the received bytes (kv_transfer/wire.py)
                 stub.FetchKV = channel.unary_stream("/pdserve.rpc.KVTransfer/FetchKV", request_serializer=kv_pb2.FetchKVRequest.SerializeToString,
@@ -106,6 +115,8 @@ class KVClient(KVReceiver):
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise KVNotFoundError(e.details()) from None
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise KVAuthError(f"prefill worker {handle.address} refused this decode worker: {e.details()}") from None
             if cancel is not None and cancel.is_set():
                 raise KVTransferError("KV transfer cancelled") from None
             raise KVTransferError(f"KV fetch from {handle.address} failed: {e.code().name}: {e.details()}") from None

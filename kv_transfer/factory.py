@@ -86,7 +86,7 @@ def shm_pool_path(cfg: KVTransferConfig, pool_bytes: int) -> str | None:
 
 
 def make_sender(cfg: KVTransferConfig, node_ip: str, *, fingerprint: KVFingerprint | None = None,
-                block_size: int = 0, shm_path: str | None = None) -> KVSender:
+                block_size: int = 0, shm_path: str | None = None, secret: str | None = None) -> KVSender:
     """Raises ValueError for an unknown backend."""
     if cfg.backend == "loopback":
         from kv_transfer.loopback import LoopbackKVSender
@@ -96,11 +96,12 @@ def make_sender(cfg: KVTransferConfig, node_ip: str, *, fingerprint: KVFingerpri
         from kv_transfer.server import KVServer
 
         return KVServer(cfg.bind_host or node_ip, cfg.chunk_bytes, backend=cfg.backend, fingerprint=fingerprint,
-                        block_size=block_size, shm_path=shm_path, node_id=node_id())
+                        block_size=block_size, shm_path=shm_path, node_id=node_id(), secret=secret,
+                        tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file)
     raise ValueError(f"unknown KV transfer backend {cfg.backend!r}")
 
 
-def make_receiver(cfg: KVTransferConfig, *, fingerprint: KVFingerprint | None = None) -> KVReceiver:
+def make_receiver(cfg: KVTransferConfig, *, fingerprint: KVFingerprint | None = None, secret: str | None = None) -> KVReceiver:
     """Raises ValueError for an unknown backend."""
     if cfg.backend == "loopback":
         from kv_transfer.loopback import LoopbackKVReceiver
@@ -109,5 +110,5 @@ def make_receiver(cfg: KVTransferConfig, *, fingerprint: KVFingerprint | None = 
     if cfg.backend in ("grpc", "shm", "auto"):
         from kv_transfer.client import KVClient
 
-        return KVClient(cfg.backend, fingerprint, node_id())
+        return KVClient(cfg.backend, fingerprint, node_id(), secret, cfg.tls_ca_file, cfg.tls_server_name)
     raise ValueError(f"unknown KV transfer backend {cfg.backend!r}")

@@ -23,6 +23,7 @@ from concurrent import futures
 import grpc
 
 from kv_transfer import shm_backend, wire
+from kv_transfer.security import SecretCheck, secure_port
 from kv_transfer.base import KVHandle, KVSender, KVSource
 from kv_transfer.faults import FaultInjector
 from kv_transfer.fingerprint import KVFingerprint
@@ -117,11 +118,13 @@ class KVServer(KVSender):
 
     ``shm_path``: the sender's pool file when it offers shm (its PagedKVCache was made
     with one). ``fingerprint``: this worker's KVFingerprint (None only in tests of raw
-    transfers). ``faults``: the FaultInjector tests arm.
+    transfers). ``secret``: every call must carry it (security.kv_secret). ``tls_cert_file``,
+    ``tls_key_file``: PEM files to serve TLS with. ``faults``: the FaultInjector tests arm.
     """
 
     def __init__(self, bind_host: str, chunk_bytes: int = 1 << 20, *, backend: str = "grpc", fingerprint: KVFingerprint | None = None,
-                 block_size: int = 0, shm_path: str | None = None, node_id: str = "", max_workers: int = 8):
+                 block_size: int = 0, shm_path: str | None = None, node_id: str = "", max_workers: int = 8, secret: str | None = None,
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None):
         keep_large_allocations()
         self.table = LeaseTable()
         self.chunk_bytes = chunk_bytes
@@ -137,9 +140,10 @@ class KVServer(KVSender):
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-server"),
             options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+            interceptors=[SecretCheck(secret)] if secret else None,  # kv_transfer/security.py
         )
         _register(_Servicer(self), self._server)
-        port = self._server.add_insecure_port(f"{bind_host}:0")
+        port = secure_port(self._server, f"{bind_host}:0", tls_cert_file, tls_key_file)
         if port == 0:
             raise OSError(f"cannot bind the KV server to {bind_host}")
         self.address = f"{bind_host}:{port}"

@@ -200,6 +200,40 @@ def generate(
     )
 
 
+render_app = typer.Typer(help="Deployment files generated from a cluster.yaml.", no_args_is_help=True)
+app.add_typer(render_app, name="render")
+
+
+def _render_config(config: Optional[Path]) -> ClusterConfig:
+    from pdserve.config import ConfigError
+
+    try:
+        return ClusterConfig.load(config)
+    except (OSError, ConfigError) as e:
+        raise _fail(str(e))
+
+
+@render_app.command("serve")
+def render_serve(config: Optional[Path] = typer.Argument(None, help="cluster.yaml; default: the embedded default")):
+    """A Ray Serve config for `serve deploy` (pools pinned to their node groups' resources)."""
+    from pdserve.render import dump, serve_config
+
+    typer.echo(dump(serve_config(_render_config(config))), nl=False)
+
+
+@render_app.command("kuberay")
+def render_kuberay(
+    config: Optional[Path] = typer.Argument(None, help="cluster.yaml; default: the embedded default"),
+    image: str = typer.Option("pdserve:latest", help="container image with pdserve installed"),
+):
+    """A KubeRay RayService manifest: head group + one worker group per pool."""
+    import ray
+
+    from pdserve.render import dump, kuberay
+
+    typer.echo(dump(kuberay(_render_config(config), image, ray.__version__)), nl=False)
+
+
 bench_app = typer.Typer(help="Benchmarks against a running endpoint.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

@@ -5,12 +5,16 @@
   ``generate(...)`` collects one request into a ``GenerateResult`` with client-side TTFT
   and TPOT.
 - Every call has a deadline (``timeout_s``, seconds, for the whole request).
-- A call that fails with UNAVAILABLE before its first chunk (router restarting, proxy
-  not up yet) is retried up to ``retries`` times with exponential backoff within the
-  deadline; once a chunk has arrived a retry could duplicate output, so errors then
-  go to the caller.
+- A call that fails with UNAVAILABLE (router restarting, proxy not up yet) or
+  RESOURCE_EXHAUSTED (overloaded) before its first chunk is retried up to ``retries``
+  times within the deadline, after the server's ``retry-after`` hint or an exponential
+  backoff; once a chunk has arrived a retry could duplicate output, so errors then go
+  to the caller.
+- ``api_key``: sent on every call as "authorization: Bearer <key>" when the cluster
+  sets ``security.api_key``; without it calls fail with UNAUTHENTICATED.
 - Errors are ``grpc.RpcError`` with the server's status: INVALID_ARGUMENT (bad input,
-  message names the field), RESOURCE_EXHAUSTED (no capacity), UNAVAILABLE (KV transfer
+  message names the field), RESOURCE_EXHAUSTED (no capacity, after the retries),
+  UNAUTHENTICATED (no or wrong API key), UNAVAILABLE (KV transfer
   failed, or the server is down), FAILED_PRECONDITION (the pools run different models),
   DEADLINE_EXCEEDED.
 """
@@ -18,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
@@ -90,26 +95,47 @@ def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] |
     )
 
 
-def _retryable(e: grpc.RpcError, got_any: bool, attempt: int, retries: int, deadline: float, backoff_s: float) -> float | None:
-    """Seconds to wait before retrying, or None to raise."""
-    if got_any or e.code() != grpc.StatusCode.UNAVAILABLE or attempt >= retries:
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+_HINT = re.compile(r"retry after ([0-9.]+) s")
+
+
+def server_retry_after_s(e: grpc.RpcError) -> float | None:
+    """The server's retry hint, seconds: its ``retry-after`` trailing metadata, or the
+    "retry after N s" in its message (Ray Serve's gRPC proxy does not pass trailing
+    metadata on), if any."""
+    try:
+        hint = next((v for k, v in e.trailing_metadata() or () if k == "retry-after"), None)
+        if hint is None:
+            match = _HINT.search(e.details() or "")
+            hint = match.group(1) if match else None
+        return float(hint) if hint is not None else None
+    except (AttributeError, TypeError, ValueError):
         return None
-    wait = backoff_s * 2**attempt
+
+
+def _retryable(e: grpc.RpcError, got_any: bool, attempt: int, retries: int, deadline: float, backoff_s: float) -> float | None:
+    """Seconds to wait before retrying, or None to raise. Only UNAVAILABLE and RESOURCE_EXHAUSTED
+    before the first chunk are retried: the server's retry hint first, else exponential backoff."""
+    if got_any or e.code() not in RETRYABLE or attempt >= retries:
+        return None
+    wait = server_retry_after_s(e) or backoff_s * 2**attempt
     return wait if time.monotonic() + wait < deadline else None
 
 
 class _Call:
     """One request's call state, shared by Stream and AsyncStream."""
 
-    def __init__(self, stub, request: pb.GenerateRequest, timeout_s: float, retries: int, backoff_s: float):
-        self._stub, self._request = stub, request
+    def __init__(self, stub, request: pb.GenerateRequest, timeout_s: float, retries: int, backoff_s: float, metadata=()):
+        self._stub, self._request, self._metadata = stub, request, tuple(metadata)
         self._deadline = time.monotonic() + timeout_s
         self._retries, self._backoff_s = retries, backoff_s
         self._call = None
         self._cancelled = False
 
     def _start(self):
-        self._call = self._stub.Generate(self._request, timeout=max(0.001, self._deadline - time.monotonic()))
+        self._call = self._stub.Generate(self._request, timeout=max(0.001, self._deadline - time.monotonic()), metadata=self._metadata)
         if self._cancelled:
             self._call.cancel()
         return self._call
@@ -146,24 +172,30 @@ class Stream(_Call):
                 time.sleep(wait)
 
 
-class Client:
-    """Synchronous client. ``retries``: UNAVAILABLE retries before the first chunk."""
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5):
+
+class Client:
+    """Synchronous client. ``retries``: retries of UNAVAILABLE and RESOURCE_EXHAUSTED before
+    the first chunk; ``api_key``: sent as "authorization: Bearer <key>" (security.api_key)."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5, api_key: str | None = None):
         self.endpoint = endpoint
         self.retries, self.backoff_s = retries, backoff_s
+        self._metadata = _auth_metadata(api_key)
         self._channel = grpc.insecure_channel(endpoint)
         self._stub = pb_grpc.GeneratorStub(self._channel)
 
     def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
         """Raises grpc.RpcError (UNAVAILABLE when nothing listens)."""
-        return self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
+        return self._stub.Health(pb.HealthRequest(), timeout=timeout_s, metadata=self._metadata)
 
     def stream(self, prompt: str | None = None, *, timeout_s: float = 300.0, **kwargs) -> Stream:
         """Stream one request: exactly one of ``prompt`` (raw text), ``messages`` (chat,
         template applied) or ``prompt_token_ids``; ``request_id`` is only echoed back;
         ``model`` must be "" or the served model; other keywords are sampling parameters."""
-        return Stream(self._stub, build_request(prompt, **kwargs), timeout_s, self.retries, self.backoff_s)
+        return Stream(self._stub, build_request(prompt, **kwargs), timeout_s, self.retries, self.backoff_s, self._metadata)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
         """Run one request to the end and collect it (see ``stream`` for the arguments)."""
@@ -214,17 +246,18 @@ class AsyncStream(_Call):
 class AsyncClient:
     """asyncio client (grpc.aio); same arguments and results as ``Client``."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5):
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5, api_key: str | None = None):
         self.endpoint = endpoint
         self.retries, self.backoff_s = retries, backoff_s
+        self._metadata = _auth_metadata(api_key)
         self._channel = grpc.aio.insecure_channel(endpoint)
         self._stub = pb_grpc.GeneratorStub(self._channel)
 
     async def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
-        return await self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
+        return await self._stub.Health(pb.HealthRequest(), timeout=timeout_s, metadata=self._metadata)
 
     def stream(self, prompt: str | None = None, *, timeout_s: float = 300.0, **kwargs) -> AsyncStream:
-        return AsyncStream(self._stub, build_request(prompt, **kwargs), timeout_s, self.retries, self.backoff_s)
+        return AsyncStream(self._stub, build_request(prompt, **kwargs), timeout_s, self.retries, self.backoff_s, self._metadata)
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
         result, start, first_at = GenerateResult(), time.perf_counter(), []

@@ -7,11 +7,14 @@ so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from pdserve.autoscaling import PolicyConfigError, PolicySettings
 
 
 class ConfigError(ValueError):
@@ -36,19 +39,40 @@ class RouterConfig:
     grpc_port: int = 9000
     http_port: int = 8000
     num_replicas: int = 1
+    # requests one router replica streams at once (Ray Serve's default, 5, would cap the cluster)
+    max_ongoing_requests: int = 1024
+    # admission control: requests one router replica admits at once; the next ones get
+    # RESOURCE_EXHAUSTED / HTTP 429 with a retry hint of retry_after_s
+    max_in_flight: int = 256
+    retry_after_s: float = 1.0
+    max_request_bytes: int = 4 << 20  # a larger HTTP body or gRPC request is refused
+    # a request whose prefill replica dies is sent again, and one whose decode replica dies
+    # migrates, up to max_retries times each, retry_backoff_s apart (router/request_path.py)
+    max_retries: int = 2
+    retry_backoff_s: float = 0.5
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    # where Ray Serve runs its HTTP/gRPC proxies: EveryNode (any node takes requests) | HeadOnly
+    proxy_location: str = "EveryNode"
 
 
-def _default_autoscaling(target: int) -> dict[str, Any]:
-    return {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": target}
+def _default_autoscaling() -> dict[str, Any]:
+    """Ray Serve's autoscaling config of a pool (replica bounds, delays, metric windows)."""
+    return {"min_replicas": 1, "max_replicas": 1, "upscale_delay_s": 10.0, "downscale_delay_s": 60.0, "look_back_period_s": 30.0}
 
 
 @dataclass
 class PoolConfig:
     """One worker pool (prefill or decode): a Ray Serve deployment."""
 
-    autoscaling_config: dict[str, Any] = field(default_factory=lambda: _default_autoscaling(2))
-    max_ongoing_requests: int = 8
+    autoscaling_config: dict[str, Any] = field(default_factory=_default_autoscaling)
+    # pdserve's scaling signals (pdserve/autoscaling.py); ignored when autoscaling_config sets `policy`
+    autoscaling_policy: dict[str, Any] = field(default_factory=dict)
+    max_ongoing_requests: int = 32  # requests one replica takes at once; the rest wait in Ray Serve's queue ...
+    max_queued_requests: int = 512  # ... of at most this many per caller; beyond it RESOURCE_EXHAUSTED (-1 = no limit)
+    # a replica being scaled down or replaced gets this long to finish its requests (and,
+    # in prefill, for decode to fetch its leased KV) before Ray Serve kills it
+    graceful_shutdown_timeout_s: float = 60.0
+    max_step_s: float = 120.0  # one engine step running longer fails the health check (a hung forward)
     ray_actor_options: dict[str, Any] = field(
         default_factory=lambda: {"num_cpus": 1, "num_gpus": 0, "resources": {}}
     )
@@ -78,9 +102,37 @@ class KVTransferConfig:
     # a fetch that times out, breaks, fails a checksum or finds its lease expired:
     # "recompute" = the decode worker prefills the prompt itself; "fail" = the request fails
     on_fault: str = "recompute"
+    # TLS on the KV channel: the prefill side serves with cert + key (PEM files on every
+    # node), the decode side verifies against ca_file; server_name = the name in the
+    # certificate when it is not the prefill node's IP. All null = plaintext.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_server_name: str | None = None
 
 
 MODES = ("disaggregated", "colocated")
+
+
+@dataclass
+class SecurityConfig:
+    """Secrets: null = off; a literal; or "env:NAME" = read from the environment of the
+    process that deploys (``pdserve up``), then carried to the replicas in their config."""
+
+    api_key: str | None = None  # client API: gRPC metadata "authorization: Bearer <key>", HTTP bearer token
+    kv_secret: str | None = None  # KV channel between the pools: gRPC metadata on every KV call
+
+    def resolved(self) -> "SecurityConfig":
+        """Raises ConfigError if an "env:NAME" variable is not set."""
+        def one(value: str | None, key: str) -> str | None:
+            if value is None or not value.startswith("env:"):
+                return value
+            name = value[4:]
+            if not os.environ.get(name):
+                raise ConfigError(f"security.{key} reads the environment variable {name}, which is not set")
+            return os.environ[name]
+
+        return SecurityConfig(one(self.api_key, "api_key"), one(self.kv_secret, "kv_secret"))
 
 
 @dataclass
@@ -93,18 +145,17 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(
-        default_factory=lambda: PoolConfig(
-            autoscaling_config=_default_autoscaling(16), max_ongoing_requests=64
-        )
+        default_factory=lambda: PoolConfig(max_ongoing_requests=64, graceful_shutdown_timeout_s=300.0)
     )
     colocated: PoolConfig = field(
         default_factory=lambda: PoolConfig(
-            autoscaling_config=_default_autoscaling(16), max_ongoing_requests=64,
+            max_ongoing_requests=64, graceful_shutdown_timeout_s=300.0,
             ray_actor_options={"num_cpus": 2, "num_gpus": 0, "resources": {}},
             max_num_batched_tokens=512, chunk_size=512,  # prefill chunks beside the decodes, as Sarathi-Serve
         )
     )
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "ClusterConfig":
@@ -147,8 +198,21 @@ class ClusterConfig:
             raise ConfigError(f"kv_transfer.on_fault must be recompute or fail, not {self.kv_transfer.on_fault!r}")
         if not self.kv_transfer.timeout_s > 0:
             raise ConfigError("kv_transfer.timeout_s must be > 0 seconds")
+        tls = [self.kv_transfer.tls_cert_file, self.kv_transfer.tls_key_file, self.kv_transfer.tls_ca_file]
+        if any(tls) and not all(tls):
+            raise ConfigError("kv_transfer: set all of tls_cert_file, tls_key_file and tls_ca_file, or none")
         if self.kv_transfer.chunk_bytes < 1024:
             raise ConfigError("kv_transfer.chunk_bytes must be at least 1024")
+        if self.router.proxy_location not in ("EveryNode", "HeadOnly"):
+            raise ConfigError(f"router.proxy_location must be EveryNode or HeadOnly, not {self.router.proxy_location!r}")
+        if self.router.max_retries < 0 or self.router.retry_backoff_s < 0:
+            raise ConfigError("router.max_retries and router.retry_backoff_s must be >= 0")
+        if self.router.max_in_flight < 1 or self.router.max_request_bytes < 1024 or not self.router.retry_after_s > 0:
+            raise ConfigError("router.max_in_flight must be >= 1, router.max_request_bytes >= 1024 and router.retry_after_s > 0")
+        for key in ("api_key", "kv_secret"):
+            value = getattr(self.security, key)
+            if value is not None and (not isinstance(value, str) or not value or value == "env:"):
+                raise ConfigError(f"security.{key} must be null, a non-empty string or \"env:NAME\"")
         if self.prefill.kv_lease_s <= 0:
             raise ConfigError("prefill.kv_lease_s must be > 0 seconds")
         for name in ("prefill", "decode", "colocated"):
@@ -158,6 +222,10 @@ class ClusterConfig:
                     raise ConfigError(f"{name}.{key} must be a positive integer")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
                 raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")
+            try:
+                PolicySettings.parse(name, pool.autoscaling_policy)
+            except PolicyConfigError as e:
+                raise ConfigError(f"cluster.yaml: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

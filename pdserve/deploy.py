@@ -8,9 +8,12 @@ through Ray Serve's gRPC and HTTP proxies. Colocated (``mode: colocated``): ``co
 
 from __future__ import annotations
 
+import dataclasses
+
 from ray import serve
 from ray.serve.config import gRPCOptions
 
+from pdserve.autoscaling import ray_policy
 from pdserve.config import ClusterConfig, PoolConfig
 
 APP_NAME = "pdserve"
@@ -18,10 +21,14 @@ GRPC_SERVICERS = ["pdserve.rpc.generate_pb2_grpc.add_GeneratorServicer_to_server
 
 
 def _pool_options(name: str, pool: PoolConfig) -> dict:
+    autoscaling = dict(pool.autoscaling_config)
+    autoscaling.setdefault("policy", ray_policy(name, pool.autoscaling_policy))  # pdserve's signals unless a policy is given
     return {
         "name": name,
-        "autoscaling_config": dict(pool.autoscaling_config),
+        "autoscaling_config": autoscaling,
         "max_ongoing_requests": pool.max_ongoing_requests,
+        "max_queued_requests": pool.max_queued_requests,
+        "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
         "ray_actor_options": dict(pool.ray_actor_options),
     }
 
@@ -32,6 +39,7 @@ def build_app(cfg: ClusterConfig) -> serve.Application:
     from router import Router
 
     config = cfg.to_dict()
+    config["security"] = dataclasses.asdict(cfg.security.resolved())  # "env:NAME" read here, where pdserve is deployed from
     if cfg.mode == "colocated":
         prefill = None
         decode = serve.deployment(DecodeServer).options(**_pool_options("colocated", cfg.colocated)).bind(config, "colocated")
@@ -41,14 +49,22 @@ def build_app(cfg: ClusterConfig) -> serve.Application:
     router = serve.deployment(Router).options(
         name="router",
         num_replicas=cfg.router.num_replicas,
+        max_ongoing_requests=cfg.router.max_ongoing_requests,
         ray_actor_options=dict(cfg.router.ray_actor_options),
     )
     return router.bind(prefill, decode, config)
 
 
+def app_builder(args: dict) -> serve.Application:
+    """Ray Serve application builder, for ``serve deploy`` and KubeRay (``pdserve render``):
+    ``args`` = {"config": a cluster.yaml mapping}. Raises ConfigError for a bad config."""
+    return build_app(ClusterConfig.from_dict((args or {}).get("config")))
+
+
 def start_serve(cfg: ClusterConfig, host: str = "127.0.0.1") -> None:
     """Start Ray Serve's proxies (HTTP and gRPC) on the configured ports."""
     serve.start(
+        proxy_location=cfg.router.proxy_location,
         http_options={"host": host, "port": cfg.router.http_port},
         grpc_options=gRPCOptions(port=cfg.router.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
     )

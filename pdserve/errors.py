@@ -28,5 +28,24 @@ class KVIncompatibleError(KVTransferError):
         self.field = field
 
 
+class KVAuthError(KVTransferError):
+    """The prefill worker refused the KV channel's shared secret: the pools were deployed
+    with different ``security.kv_secret`` (a deployment error, like KVIncompatibleError)."""
+
+
 class CapacityError(PDServeError):
-    """No room right now (KV pool full); retry later (maps to RESOURCE_EXHAUSTED)."""
+    """No room right now (too many requests in flight, a pool's queue or KV pool full);
+    retry after ``retry_after_s`` seconds (maps to RESOURCE_EXHAUSTED / HTTP 429 with a
+    ``retry-after`` hint)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class AuthenticationError(PDServeError):
+    """No API key, or the wrong one (maps to UNAUTHENTICATED / HTTP 401)."""
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request's bytes exceed router.max_request_bytes (INVALID_ARGUMENT / HTTP 413)."""

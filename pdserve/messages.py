@@ -29,13 +29,16 @@ class PrefillResult:
 @dataclass
 class DecodeRequest:
     """Disaggregated: the first token and the KV handle from prefill. Colocated (or any
-    worker asked to do it all): both None, and the worker prefills and samples token 1 itself."""
+    worker asked to do it all): both None, and the worker prefills and samples token 1 itself.
+    Migrated (its decode replica died mid-stream): ``first_token`` and ``resume_ids`` are the
+    tokens already streamed, ``kv`` None; the worker recomputes their KV and goes on after them."""
 
     request_id: str
     prompt_ids: list[int]
     first_token: int | None  # sampled by prefill; decode continues after it
     params: SamplingParams
     kv: KVHandle | None
+    resume_ids: tuple[int, ...] = ()  # migration: tokens generated after first_token, already streamed
 
 
 @dataclass

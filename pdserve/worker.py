@@ -28,6 +28,13 @@ def assigned_num_cpus(default: int = 1) -> int:
     return max(1, int(cpus)) if cpus else default
 
 
+def rss_bytes() -> int:
+    """Resident memory of this process, bytes (what a soak test watches for leaks)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kv_transfer import make_sender
+from kv_transfer.factory import node_id
 from kv_transfer.paged import PagedKVSource
+from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
 from pdserve.config import ClusterConfig
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import PrefillRequest, PrefillResult
 from pdserve.metrics import PoolMetrics
-from pdserve.worker import build_engine
+from pdserve.worker import build_engine, rss_bytes
 
 PREFILL_DEADLINE_S = 300.0  # longest a prompt may wait and run before the request fails
 
@@ -32,17 +35,23 @@ class PrefillServer:
 
     def __init__(self, config: dict[str, Any]):
         self.cfg = ClusterConfig.from_dict(config)
+        self.pool_cfg = self.cfg.prefill
+        self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
         self.engine, fingerprint = build_engine(self.cfg, "prefill")
         self.loop = EngineLoop(self.engine)
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or _node_ip(), fingerprint=fingerprint,
-                                     block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path)
+                                     block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path,
+                                     secret=self.cfg.security.kv_secret)
         self.num_requests = 0
+        self.ttft = LatencyWindow()  # seconds from arrival to first token, for autoscaling on TTFT
+        self.busy = BusyMeter()  # busy fraction between autoscaling reports
         self.metrics = PoolMetrics("prefill", self.cfg.model.path, self._stats)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Raises InvalidRequestError for a request that breaks the shared limits,
         TimeoutError after PREFILL_DEADLINE_S."""
         request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
+        start = time.perf_counter()
         seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params, stop_after_first_token=True)
         queue = self.loop.submit(seq)
         try:
@@ -51,6 +60,7 @@ class PrefillServer:
             self.loop.abort(seq)
             raise
         self.num_requests += 1
+        self.ttft.observe(time.perf_counter() - start)
         handle = None
         if chunk.finish_reason is None:  # decode will continue: lease the prompt's blocks to it
             source = PagedKVSource(self.engine.kv_cache, seq.block_table, seq.num_prompt_tokens, self.engine.free_blocks)
@@ -65,12 +75,16 @@ class PrefillServer:
     async def stats(self) -> dict[str, int]:
         return self._stats()
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's hook: this replica's load, for pdserve.autoscaling.PoolAutoscaler."""
+        return replica_stats(self.engine.stats(), self.ttft, "ttft", self.busy)
+
     def _stats(self) -> dict[str, int]:
-        return {"num_requests": self.num_requests, **self.engine.stats(), **self.kv_sender.stats()}
+        return {"num_requests": self.num_requests, "rss_bytes": rss_bytes(), "node_id": self.node_id, **self.engine.stats(), **self.kv_sender.stats()}
 
     def check_health(self) -> None:
-        if not self.loop.is_alive():
-            raise RuntimeError("prefill engine thread has stopped")
+        """Ray Serve's health check: fails if the engine thread died or one step hangs."""
+        self.loop.check_health(self.pool_cfg.max_step_s)
 
     def __del__(self):
         if hasattr(self, "metrics"):

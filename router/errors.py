@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.errors import CapacityError, InvalidRequestError, KVIncompatibleError, KVTransferError
+from ray.serve.exceptions import BackPressureError
+
+from pdserve.errors import AuthenticationError, CapacityError, InvalidRequestError, KVAuthError, KVIncompatibleError, KVTransferError
 
 
 def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -15,9 +17,13 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, _message(exc)
+    if isinstance(exc, AuthenticationError):
+        return grpc.StatusCode.UNAUTHENTICATED, _message(exc)
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, _message(exc)
-    if isinstance(exc, KVIncompatibleError):  # a deployment error: the pools run different models
+    if isinstance(exc, BackPressureError):  # a pool's Ray Serve queue is at max_queued_requests
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {_message(exc)}"
+    if isinstance(exc, (KVIncompatibleError, KVAuthError)):  # deployment errors: the pools run different models or secrets
         return grpc.StatusCode.FAILED_PRECONDITION, _message(exc)
     if isinstance(exc, KVTransferError):
         return grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {_message(exc)}"
@@ -29,3 +35,13 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 def _message(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)  # RayTaskError keeps the original here
     return str(cause if cause is not None else exc).strip()
+
+
+def retry_after_s(exc: BaseException, default_s: float) -> float | None:
+    """The retry hint (seconds) for an overload error, None for any other."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(cause, CapacityError):
+        return cause.retry_after_s
+    if isinstance(exc, BackPressureError):
+        return default_s
+    return None

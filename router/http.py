@@ -4,6 +4,7 @@
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from router import openai_api as oa
-from router.errors import _message
+from router.errors import _message, retry_after_s
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,11 @@ async def sse_stream(router, rid: str, chat: bool, first: pb.GenerateResponse, s
     yield oa.sse("[DONE]")
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException, default_retry_after_s: float = 1.0) -> JSONResponse:
+    """OpenAI's error shape with the status for ``exc``; a 429 carries ``Retry-After`` (seconds)."""
     status, kind = oa.error_status(exc)
     if status == 500:
         log.error("request failed", exc_info=exc)
-    return JSONResponse(oa.error_body(_message(exc), kind, status), status_code=status)
+    hint = retry_after_s(exc, default_retry_after_s)
+    headers = {"Retry-After": str(max(1, math.ceil(hint)))} if hint is not None else None
+    return JSONResponse(oa.error_body(_message(exc), kind, status), status_code=status, headers=headers)

@@ -17,8 +17,10 @@ import uuid
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from ray.serve.exceptions import BackPressureError
 
-from pdserve.errors import CapacityError, InvalidRequestError, KVIncompatibleError, KVTransferError
+from pdserve.errors import (AuthenticationError, CapacityError, InvalidRequestError, KVAuthError, KVIncompatibleError, KVTransferError,
+                            RequestTooLargeError)
 from pdserve.sampling import SamplingParams
 
 
@@ -224,9 +226,13 @@ def sse(payload: dict | str) -> str:
 def error_status(exc: BaseException) -> tuple[int, str]:
     """(HTTP status, OpenAI error type) for an exception on the request path."""
     for cls, status, kind in (
+        (RequestTooLargeError, 413, "invalid_request_error"),
         (InvalidRequestError, 400, "invalid_request_error"),
+        (AuthenticationError, 401, "authentication_error"),
         (CapacityError, 429, "rate_limit_error"),
+        (BackPressureError, 429, "rate_limit_error"),
         (KVIncompatibleError, 500, "server_error"),
+        (KVAuthError, 500, "server_error"),
         (KVTransferError, 503, "service_unavailable"),
         (TimeoutError, 504, "timeout"),
     ):

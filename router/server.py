@@ -1,10 +1,10 @@
 """Router: the ingress deployment. It serves ``pdserve.rpc.Generator`` on Ray Serve's gRPC
 proxy and the OpenAI-compatible HTTP API (router/openai_api.py) on its HTTP proxy.
 
-The request path is one linear coroutine (``_stream``, wrapped by ``_generate`` for
-detokenization, stop strings and metrics):
-tokenize + validate -> prefill pool (first token, KV handle) -> decode pool
-(fetches the KV, streams the rest) -> detokenize, apply stop strings, stream to the client.
+The request path: tokenize + validate + admit (here) -> prefill pool (first token, KV
+handle) -> decode pool (fetches the KV, streams the rest) (``RequestPath.stream`` in
+router/request_path.py, with retries and migration) -> detokenize, apply stop strings,
+stream to the client (``_generate`` here).
 
 (No ``from __future__ import annotations`` here: FastAPI reads the route signatures'
 annotations at runtime, through Ray Serve's class-based ingress.)
@@ -29,13 +29,14 @@ from router import openai_api as oa
 from pdserve.config import ClusterConfig
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
-from pdserve.messages import DecodeRequest, PrefillRequest
 from pdserve.metrics import RouterMetrics
 from pdserve.model_loader import load_tokenizer, resolve_model_dir
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from pdserve.worker import max_model_len
-from router.errors import grpc_status_for
+from router.admission import Admission, metadata_value
+from router.errors import grpc_status_for, retry_after_s
+from router.request_path import RequestPath
 from router.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class Router:
         self.model_name = served_model_name(self.cfg)
         self.created = int(time.time())
         self.metrics = RouterMetrics(self.model_name)
+        r = self.cfg.router
+        self.admission = Admission(r.max_in_flight, r.retry_after_s, r.max_request_bytes, self.cfg.security.api_key)
+        self.path = RequestPath(prefill, decode, r.max_retries, r.retry_backoff_s)
 
     # -- parsing ---------------------------------------------------------------
 
@@ -146,6 +150,8 @@ class Router:
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         responses = None
         try:
+            self.admission.authenticate(metadata_value(grpc_context.invocation_metadata() if grpc_context else None, "authorization"))
+            self.admission.check_size(request.ByteSize())
             prompt_ids, params = await asyncio.to_thread(self._parse, request)  # tokenizing stays off the event loop
             # Internal ids are always unique; the client's request_id is only echoed back.
             internal_id = uuid.uuid4().hex
@@ -159,6 +165,9 @@ class Router:
             if grpc_context is not None:  # Ray Serve sends this status instead of INTERNAL
                 grpc_context.set_code(code)
                 grpc_context.set_details(message)
+                hint = retry_after_s(e, self.cfg.router.retry_after_s)
+                if hint is not None:
+                    grpc_context.set_trailing_metadata([("retry-after", f"{hint:g}")])
             raise
         finally:
             if responses is not None:  # at once, not at garbage collection: a client that left frees both pools now
@@ -167,6 +176,10 @@ class Router:
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
         return pb.HealthResponse(ok=True, model=self.model_name, max_model_len=self.max_model_len)
 
+    async def stats(self) -> dict[str, int]:
+        """Admission, retry and migration counters (for tests and operators, through a deployment handle)."""
+        return {**self.admission.stats(), "num_prefill_retries": self.path.num_prefill_retries, "num_migrations": self.path.num_migrations}
+
     # -- OpenAI-compatible HTTP -------------------------------------------------
 
     @app.get("/health")
@@ -174,21 +187,47 @@ class Router:
         return {"status": "ok", "model": self.model_name}
 
     @app.get("/v1/models")
-    async def http_models(self) -> dict:
+    async def http_models(self, request: Request):
+        try:
+            self.admission.authenticate(request.headers.get("authorization"))
+        except Exception as e:  # noqa: BLE001 - answered in OpenAI's shape
+            return http.error_response(e)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "pdserve", "max_model_len": self.max_model_len}]}
 
     @app.post("/v1/completions")
     async def http_completions(self, request: Request):
-        return await http.handle(self, await request.body(), chat=False)
+        return await self._http(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def http_chat_completions(self, request: Request):
-        return await http.handle(self, await request.body(), chat=True)
+        return await self._http(request, chat=True)
+
+    async def _http(self, request: Request, chat: bool):
+        try:  # before reading the body: a refused request costs nothing
+            self.admission.authenticate(request.headers.get("authorization"))
+            self.admission.check_size(int(request.headers.get("content-length") or 0))
+            body = await request.body()
+            self.admission.check_size(len(body))
+        except Exception as e:  # noqa: BLE001 - answered in OpenAI's shape
+            return http.error_response(e)
+        return await http.handle(self, body, chat=chat)
 
     # -- the request path -------------------------------------------------------
 
     async def _generate(
+        self, request_id: str, client_request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.admission.admit()  # CapacityError here, before anything is spent, when the router is full
+        chunks = self._generate_admitted(request_id, client_request_id, prompt_ids, params)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()  # at once: a client that left frees both pools now
+            self.admission.release()
+
+    async def _generate_admitted(
         self, request_id: str, client_request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[pb.GenerateResponse]:
         detok = IncrementalDetokenizer(self.tokenizer)
@@ -222,51 +261,14 @@ class Router:
             )
 
         self.metrics.prompt_tokens.inc(num_prompt)
-        chunks = self._stream(request_id, prompt_ids, params, response)
+        items = self.path.stream(request_id, prompt_ids, params)
         try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            await chunks.aclose()  # now, not at garbage collection: frees both pools' KV
-            self.metrics.finished.inc(tags={"finished_reason": reason})
-            self.metrics.e2e.observe(time.perf_counter() - start)
-
-    async def _stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams, response) -> AsyncIterator[pb.GenerateResponse]:
-        """prefill -> hand-off -> stream decode; ``response`` turns token ids into client chunks."""
-        if self.prefill is None:  # colocated: one pool does it all
-            stream, finished = self.decode.options(stream=True).generate.remote(DecodeRequest(request_id, prompt_ids, None, params, None)), False
-            try:
-                async for item in stream:
-                    finished = item.finish_reason is not None
-                    chunk = response(item.token_ids, item.finish_reason, item.logprobs)
-                    yield chunk
-                    if chunk.finish_reason:
-                        return
-            finally:
-                if not finished:  # cancelled, failed or stopped by a stop string
-                    stream.cancel()
-            return
-        first = await self.prefill.prefill.remote(PrefillRequest(request_id, prompt_ids, params))
-        if first.finish_reason is not None:  # done after one token: decode never runs
-            stopped = first.finish_reason == "stop"  # the stop token is not returned
-            yield response([] if stopped else [first.first_token], first.finish_reason, None if stopped else [first.first_logprob] if first.first_logprob else None)
-            return
-        stream, finished = None, False
-        try:
-            chunk = response([first.first_token], None, [first.first_logprob] if first.first_logprob else None)
-            yield chunk
-            if chunk.finish_reason:  # a stop string in the first token's text
-                return
-            decode_request = DecodeRequest(request_id, prompt_ids, first.first_token, params, first.kv)
-            stream = self.decode.options(stream=True).generate.remote(decode_request)
-            async for item in stream:
-                finished = item.finish_reason is not None
+            async for item in items:
                 chunk = response(item.token_ids, item.finish_reason, item.logprobs)
                 yield chunk
-                if chunk.finish_reason:  # finished, or a stop string: the decode stream is cancelled below
+                if chunk.finish_reason:  # finished, or a stop string: closing the path frees both pools
                     return
         finally:
-            if not finished:  # cancelled, failed or stopped by a stop string: free both sides now
-                if stream is not None:
-                    stream.cancel()
-                self.prefill.release.remote(first.kv.transfer_id)
+            await items.aclose()  # now, not at garbage collection: frees both pools' KV
+            self.metrics.finished.inc(tags={"finished_reason": reason})
+            self.metrics.e2e.observe(time.perf_counter() - start)

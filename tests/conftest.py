@@ -43,9 +43,10 @@ def real_model_dir():
     return resolve_model_dir("smollm2")
 
 
-def serve_cluster(config: dict, **ray_init):
+def serve_cluster(config: dict, api_key: str | None = None, **ray_init):
     """Generator for module fixtures: a local Ray (2 CPUs) with pdserve deployed from
-    ``config`` (a cluster.yaml mapping); yields a Client on its gRPC port, then shuts all down."""
+    ``config`` (a cluster.yaml mapping); yields a Client on its gRPC port (sending
+    ``api_key``), then shuts all down."""
     import os
 
     import ray
@@ -59,7 +60,7 @@ def serve_cluster(config: dict, **ray_init):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **ray_init)
     cfg = ClusterConfig.from_dict(config)
     deploy(cfg)
-    client = Client(f"127.0.0.1:{cfg.router.grpc_port}")
+    client = Client(f"127.0.0.1:{cfg.router.grpc_port}", api_key=api_key)
     client.health(timeout_s=30)
     yield client
     client.close()

@@ -1,5 +1,6 @@
 """The client SDK's retry rule against a real gRPC server on loopback that fails on purpose:
-UNAVAILABLE before the first chunk is retried; after it, the error goes to the caller."""
+UNAVAILABLE and RESOURCE_EXHAUSTED before the first chunk are retried (after the server's
+retry-after hint); after it, the error goes to the caller. The API key travels as metadata."""
 
 import asyncio
 from concurrent import futures
@@ -84,6 +85,41 @@ def test_async_client_retries_and_types_its_results(serve):
     assert result.token_ids == [5, 6] and servicer.calls == 3
 
 
+class Busy(pb_grpc.GeneratorServicer):
+    """RESOURCE_EXHAUSTED with a retry-after hint for the first ``busy_for`` calls; records
+    each call's time and authorization metadata."""
+
+    def __init__(self, busy_for: int, hint_s: str = "0.2"):
+        self.busy_for, self.hint_s, self.calls, self.auth = busy_for, hint_s, [], []
+
+    def Generate(self, request, context):
+        import time
+
+        self.calls.append(time.monotonic())
+        self.auth.append(dict(context.invocation_metadata()).get("authorization"))
+        if len(self.calls) <= self.busy_for:
+            context.set_trailing_metadata([("retry-after", self.hint_s)])
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy")
+        yield pb.GenerateResponse(token_ids=[7], text="z", finish_reason="length", prompt_tokens=1, completion_tokens=1)
+
+
+def test_resource_exhausted_is_retried_after_the_servers_hint_with_the_api_key(serve):
+    servicer = Busy(busy_for=2)
+    with Client(serve(servicer), retries=3, backoff_s=0.001, api_key="s3cret") as client:
+        assert client.generate("hi").token_ids == [7]
+    gaps = [b - a for a, b in zip(servicer.calls, servicer.calls[1:])]
+    assert len(servicer.calls) == 3 and all(g >= 0.19 for g in gaps), gaps  # waited the hint, not the 1 ms backoff
+    assert servicer.auth == ["Bearer s3cret"] * 3
+
+
+def test_resource_exhausted_beyond_the_retries_reaches_the_caller(serve):
+    servicer = Busy(busy_for=10, hint_s="0.01")
+    with Client(serve(servicer), retries=1) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate("hi")
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(servicer.calls) == 2 and servicer.auth == [None, None]
+
+
 def test_unknown_sampling_parameter_is_refused_client_side():
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         Client("127.0.0.1:1").stream("hi", temprature=0.5)
@@ -121,3 +157,16 @@ def test_cancel_ends_the_stream_without_an_error(serve):
             return got
 
     assert len(asyncio.run(main())) == 2
+
+
+def test_the_retry_hint_is_read_from_the_message_when_metadata_is_dropped():
+    from pdserve.client import server_retry_after_s
+
+    class Error(grpc.RpcError):
+        def trailing_metadata(self):
+            return ()
+
+        def details(self):
+            return "server busy: 4 requests in flight (router.max_in_flight); retry after 0.5 s"
+
+    assert server_retry_after_s(Error()) == 0.5

@@ -21,7 +21,7 @@ def test_pools_are_configured_independently():
     assert cfg.prefill.autoscaling_config["max_replicas"] == 4
     assert cfg.prefill.ray_actor_options["resources"] == {"prefill_node": 1}
     assert cfg.decode.ray_actor_options == {"num_cpus": 2, "num_gpus": 1}
-    assert cfg.decode.autoscaling_config["target_ongoing_requests"] == 16  # untouched default
+    assert cfg.decode.autoscaling_config["downscale_delay_s"] == 60  # untouched default
 
 
 @pytest.mark.parametrize(
@@ -32,8 +32,30 @@ def test_pools_are_configured_independently():
         ({"model": {"dtype": "int4"}}, "model.dtype"),
         ({"kv_transfer": {"backend": "rdma"}}, "kv_transfer.backend"),
         ({"prefill": {"kv_lease_s": 0}}, "kv_lease_s"),
+        ({"prefill": {"autoscaling_policy": {"metric": "tpot"}}}, "prefill.autoscaling_policy.metric must be one of queued_tokens, ttft"),
+        ({"decode": {"autoscaling_policy": {"target_runing": 4}}}, "decode.autoscaling_policy: unknown key 'target_runing'"),
+        ({"decode": {"autoscaling_policy": {"target_kv_usage": 0}}}, "decode.autoscaling_policy.target_kv_usage must be > 0"),
     ],
 )
 def test_bad_config_names_the_key(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        ClusterConfig.from_dict(raw)
+
+
+def test_secrets_come_from_the_environment_when_asked(monkeypatch):
+    cfg = ClusterConfig.from_dict({"security": {"api_key": "env:PDSERVE_TEST_KEY", "kv_secret": "literal"}})
+    monkeypatch.setenv("PDSERVE_TEST_KEY", "from-env")
+    assert (cfg.security.resolved().api_key, cfg.security.resolved().kv_secret) == ("from-env", "literal")
+    monkeypatch.delenv("PDSERVE_TEST_KEY")
+    with pytest.raises(ConfigError, match="PDSERVE_TEST_KEY, which is not set"):
+        cfg.security.resolved()
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"security": {"api_key": ""}}, "security.api_key"),
+    ({"security": {"kv_secret": "env:"}}, "security.kv_secret"),
+    ({"router": {"max_in_flight": 0}}, "router.max_in_flight"),
+])
+def test_bad_security_and_admission_settings_name_the_key(raw, message):
     with pytest.raises(ConfigError, match=message):
         ClusterConfig.from_dict(raw)

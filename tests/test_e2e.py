@@ -191,6 +191,8 @@ def test_cancelled_streams_release_everything(cluster, reference):
     (Ray Serve's gRPC proxy does not always pass the cancel on; such a request then runs
     to max_tokens before it is freed, so this waits for that with a deadline.)
     """
+    import threading
+    import time
 
     _, tokenizer = reference
     for i in range(4):
@@ -199,6 +201,14 @@ def test_cancelled_streams_release_everything(cluster, reference):
             if n == 2:
                 break
         call.cancel()
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5):  # leaving during prefill, at the hand-off and during the KV fetch
+        call = cluster.stream(prompt_token_ids=text_prompt(tokenizer, 200), max_tokens=64)
+        reader = threading.Thread(target=lambda: list(call))
+        reader.start()
+        time.sleep(delay)
+        call.cancel()
+        reader.join(30)
+        assert not reader.is_alive()
     prefill, decode = wait_until_idle(60)
     assert prefill["num_held"] == 0 and prefill["num_used_blocks"] == 0
     assert decode["num_running"] == 0 and decode["num_waiting"] == 0 and decode["num_used_blocks"] == 0

@@ -4,6 +4,7 @@ Every test ends by checking that all KV blocks are back in the pool.
 """
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -143,6 +144,31 @@ def test_loop_streams_and_abort_frees_blocks():
     loop.close()
     assert not engine.scheduler.has_work()
     assert_all_blocks_free(engine)
+
+
+def test_a_hung_step_fails_the_health_check_and_a_live_loop_passes_it():
+    import time
+
+    engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=16, block_size=4), EOS, 512)
+    loop = EngineLoop(engine)
+    loop.check_health(max_step_s=1.0)  # idle: the loop comes round every 0.5 s at most
+    step, release = engine.step, threading.Event()
+    engine.step = lambda: (release.wait(10), step())[1]  # the next forward hangs until released
+
+    async def submit():
+        loop.submit(Sequence("h", random_prompts([5])[0], 5, SamplingParams(max_tokens=2, ignore_eos=True)))
+
+    asyncio.run(submit())
+    time.sleep(0.6)
+    with pytest.raises(RuntimeError, match="engine step stuck"):
+        loop.check_health(max_step_s=0.5)
+    release.set()
+    time.sleep(0.3)
+    loop.check_health(max_step_s=0.5)
+    loop.close()
+    time.sleep(0.6)
+    with pytest.raises(RuntimeError, match="engine thread has stopped"):
+        loop.check_health(max_step_s=0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,7 +20,7 @@ from kv_transfer.paged import PagedKVSource
 from kv_transfer.server import KVServer
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.errors import KVIncompatibleError, KVNotFoundError, KVTransferError
+from pdserve.errors import KVAuthError, KVIncompatibleError, KVNotFoundError, KVTransferError
 from pdserve.kv_layout import KVSpec
 from pdserve.rpc import kv_pb2
 
@@ -123,6 +123,61 @@ def test_unreachable_sender_is_a_transfer_error():
     with pytest.raises(KVTransferError, match="UNAVAILABLE|DEADLINE"):
         fetch(receiver, KVHandle("grpc", "127.0.0.1:1", "nope", 4), SPEC, timeout_s=2)
     receiver.close()
+
+
+# -- the KV channel's shared secret (security.kv_secret) ----------------------------------
+
+
+def test_a_fetch_without_the_secret_or_for_another_id_gets_nothing():
+    sender = KVServer("127.0.0.1", chunk_bytes=1024, node_id=NODE, secret="right", fingerprint=FP)
+    source = random_kv(SPEC, 40)
+    handle = sender.put("req-s", source, lease_s=30)
+    for secret in (None, "wrong"):
+        receiver = KVClient("grpc", fingerprint=FP, node_id=NODE, secret=secret)
+        with pytest.raises(KVAuthError, match="UNAUTHENTICATED|shared secret"):
+            fetch(receiver, handle, SPEC)
+        with pytest.raises(KVTransferError, match="UNAUTHENTICATED"):  # nor can it free someone's KV
+            receiver.release(handle, timeout_s=5)
+        receiver.close()
+    assert sender.stats()["num_held"] == 1  # refused before any handler ran: the lease is untouched
+    receiver = KVClient("grpc", fingerprint=FP, node_id=NODE, secret="right")
+    with pytest.raises(KVNotFoundError):  # the right secret and a wrong transfer id: nothing either
+        fetch(receiver, KVHandle("grpc", handle.address, "req-other", 40, NODE, "", handle.instance_id), SPEC)
+    got = fetch(receiver, handle, SPEC)
+    assert torch.equal(got, source.kv) and sender.stats()["num_held"] == 0
+    receiver.close()
+    sender.close()
+
+
+def make_tls(tmp_path) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI): (cert, key, ca)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a test certificate")
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, cwd=tmp_path)  # noqa: E731
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=pdserve-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "kv.key", "-out", "kv.csr", "-subj", "/CN=127.0.0.1")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "kv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "kv.pem", "-days", "1", "-extfile", "san.ext")
+    return str(tmp_path / "kv.pem"), str(tmp_path / "kv.key"), str(tmp_path / "ca.pem")
+
+
+def test_kv_over_tls_with_the_secret_and_a_plaintext_client_gets_nothing(tmp_path):
+    cert, key, ca = make_tls(tmp_path)
+    sender = KVServer("127.0.0.1", chunk_bytes=4096, node_id=NODE, secret="s", tls_cert_file=cert, tls_key_file=key)
+    source = random_kv(SPEC, 64)
+    handle = sender.put("req-tls", source, lease_s=30)
+    plaintext = KVClient("grpc", node_id=NODE, secret="s")
+    with pytest.raises(KVTransferError, match="UNAVAILABLE|DEADLINE"):
+        fetch(plaintext, handle, SPEC, timeout_s=3)
+    plaintext.close()
+    assert sender.stats()["num_held"] == 1
+    receiver = KVClient("grpc", node_id=NODE, secret="s", tls_ca_file=ca)
+    assert torch.equal(fetch(receiver, handle, SPEC), source.kv) and sender.stats()["num_held"] == 0
+    receiver.close()
+    sender.close()
 
 
 # -- fingerprints ------------------------------------------------------------------

@@ -9,6 +9,7 @@ a decode worker's sequences arrive with their prompt KV already in their blocks.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager
@@ -56,6 +57,8 @@ class Engine:
         self.lock = threading.RLock()  # guards the scheduler and block manager
         self.num_steps = 0
         self.num_tokens_computed = 0
+        self.busy_s = 0.0  # seconds spent in steps that ran a batch (autoscaling's busy fraction)
+        self._publish_stats()
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence. Raises InvalidRequestError if it could never fit in the KV pool."""
@@ -67,6 +70,7 @@ class Engine:
             )
         with self.lock:
             self.scheduler.add(seq)
+            self._publish_stats()
 
     def reserve(self, num_tokens: int) -> list[int] | None:
         """Take blocks for ``num_tokens`` incoming tokens (KV in flight); None if the pool is short."""
@@ -74,52 +78,73 @@ class Engine:
             num_blocks = self.block_manager.num_blocks_for(num_tokens)
             if not self.block_manager.can_allocate(num_blocks):
                 return None
-            return self.block_manager.allocate_blocks(num_blocks)
+            blocks = self.block_manager.allocate_blocks(num_blocks)
+            self._publish_stats()
+            return blocks
 
     def free_blocks(self, block_ids: list[int]) -> None:
         with self.lock:
             self.block_manager.free_blocks(block_ids)
+            self._publish_stats()
 
     def abort(self, seq: Sequence) -> None:
         with self.lock:
             self.scheduler.finish(seq)
+            self._publish_stats()
 
     def step(self) -> list[Sequence]:
         """One forward. Returns the sequences that got a new token (``token_ids[-1]``);
         a finished one has ``finish_reason`` set and is out of the scheduler."""
         with self.lock:
-            batch = self.scheduler.schedule()
-            if not batch:
-                return []
-            logits = self.runner.forward(batch)  # [len(batch), vocab]
-            self.num_steps += 1
-            outputs = []
-            for (seq, num_new), row in zip(batch, logits):
-                computed_before = seq.num_computed_tokens
-                seq.num_computed_tokens += num_new
-                self.num_tokens_computed += num_new
-                self.block_manager.mark_computed(seq, computed_before)
-                if seq.num_uncomputed_tokens > 0:  # a prompt chunk; more to come
-                    continue
-                token = sample(row, seq.params, position=seq.num_tokens, num_generated=seq.num_generated, eos_token_ids=self.eos_token_ids)
-                seq.token_ids.append(token)
-                if seq.params.logprobs is not None:
-                    seq.logprobs.append(token_logprob(row, token, seq.params.logprobs))
-                seq.finish_reason = finish_reason(token, seq.num_generated, seq.params, self.eos_token_ids)
-                if seq.finish_reason is not None:
-                    self.scheduler.finish(seq)
-                elif seq.stop_after_first_token:  # prefill: the KV goes to decode
-                    self.scheduler.finish(seq, free_blocks=False)
-                outputs.append(seq)
-            return outputs
+            try:
+                return self._step()
+            finally:
+                self._publish_stats()
 
-    def stats(self) -> dict[str, int]:
-        with self.lock:
-            return {
-                **self.block_manager.usage(),
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "num_preemptions": self.scheduler.num_preemptions,
-                "num_steps": self.num_steps,
-                "num_tokens_computed": self.num_tokens_computed,
-            }
+    def _step(self) -> list[Sequence]:
+        """``step`` with ``self.lock`` held."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        start = time.perf_counter()
+        logits = self.runner.forward(batch)  # [len(batch), vocab]
+        self.num_steps += 1
+        outputs = []
+        for (seq, num_new), row in zip(batch, logits):
+            computed_before = seq.num_computed_tokens
+            seq.num_computed_tokens += num_new
+            self.num_tokens_computed += num_new
+            self.block_manager.mark_computed(seq, computed_before)
+            if seq.num_uncomputed_tokens > 0:  # a prompt chunk; more to come
+                continue
+            token = sample(row, seq.params, position=seq.num_tokens, num_generated=seq.num_generated, eos_token_ids=self.eos_token_ids)
+            seq.token_ids.append(token)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(token_logprob(row, token, seq.params.logprobs))
+            seq.finish_reason = finish_reason(token, seq.num_generated, seq.params, self.eos_token_ids)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            elif seq.stop_after_first_token:  # prefill: the KV goes to decode
+                self.scheduler.finish(seq, free_blocks=False)
+            outputs.append(seq)
+        self.busy_s += time.perf_counter() - start
+        return outputs
+
+    def stats(self) -> dict[str, float]:
+        """Counters as of the last change (step, add, reserve, free, abort). Lock-free: a busy
+        engine thread holds the lock nearly all the time, and monitoring must not wait on it."""
+        return dict(self._stats)
+
+    def _publish_stats(self) -> None:
+        """Refresh the ``stats()`` snapshot; called with ``self.lock`` held, after every change."""
+        self._stats = {
+            **self.block_manager.usage(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            # tokens still to compute: queued prompt tokens in a prefill pool, ~1 per request in decode
+            "num_uncomputed_tokens": sum(seq.num_uncomputed_tokens for seq in (*self.scheduler.waiting, *self.scheduler.running)),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_tokens_computed": self.num_tokens_computed,
+            "busy_s": self.busy_s,
+        }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import Sequence, SeqStatus
@@ -26,6 +27,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards _aborts
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._heartbeat = time.monotonic()  # set every loop turn: at least every 0.5 s unless a step hangs
         self._thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
         self._thread.start()
 
@@ -69,6 +71,19 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def stalled_s(self) -> float:
+        """Seconds since the loop last came round: long only while one step is stuck."""
+        return time.monotonic() - self._heartbeat
+
+    def check_health(self, max_step_s: float) -> None:
+        """For Ray Serve's health check: raises RuntimeError if the loop thread died or one
+        step has run longer than ``max_step_s`` seconds (a hung forward). Ray Serve then
+        replaces this replica alone; its peers see failed calls, which they retry or recompute."""
+        if not self.is_alive():
+            raise RuntimeError("engine thread has stopped")
+        if self.stalled_s() > max_step_s:
+            raise RuntimeError(f"engine step stuck for {self.stalled_s():.0f} s (over {max_step_s:g} s)")
+
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -77,10 +92,14 @@ class EngineLoop:
         target = self._outputs.get(seq.request_id)
         if target is not None:
             queue, loop = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # its event loop has closed: nobody will read this request's queue
+                self._outputs.pop(seq.request_id, None)
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._heartbeat = time.monotonic()
             with self._lock:
                 aborts, self._aborts = self._aborts, []
             for seq in aborts:

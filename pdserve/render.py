@@ -1,0 +1,92 @@
+"""Deployment files generated from a cluster.yaml: ``pdserve render serve`` (a Ray Serve
+config for ``serve deploy``) and ``pdserve render kuberay`` (a KubeRay ``RayService``).
+
+Both run the same application as ``pdserve up``: Ray Serve imports
+``pdserve.deploy:app_builder`` with the cluster.yaml mapping as its ``args``. In the
+KubeRay manifest each pool gets its own worker group, whose pods advertise the custom
+resources the pool asks for in ``ray_actor_options.resources`` (one
+``pdserve_<pool>_node`` resource when it asks for none, pinned in the rendered config too),
+so prefill and decode replicas land only on their own nodes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import yaml
+
+from pdserve.config import ClusterConfig
+from pdserve.deploy import APP_NAME, GRPC_SERVICERS
+
+
+def _pools(cfg: ClusterConfig) -> list[str]:
+    return ["colocated"] if cfg.mode == "colocated" else ["prefill", "decode"]
+
+
+def pinned(cfg: ClusterConfig) -> dict[str, Any]:
+    """The cluster.yaml mapping with each pool pinned to its node group's resource."""
+    raw = copy.deepcopy(cfg.to_dict())
+    for name in _pools(cfg):
+        resources = raw[name]["ray_actor_options"].setdefault("resources", {})
+        if not resources:
+            resources[f"pdserve_{name}_node"] = 0.001
+    return raw
+
+
+def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
+    """A Ray Serve config file (ServeDeploySchema) for ``serve deploy``."""
+    return {
+        "proxy_location": cfg.router.proxy_location,
+        "http_options": {"host": "0.0.0.0", "port": cfg.router.http_port},
+        "grpc_options": {"port": cfg.router.grpc_port, "grpc_servicer_functions": list(GRPC_SERVICERS)},
+        "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "pdserve.deploy:app_builder",
+                          "args": {"config": pinned(cfg)}}],
+    }
+
+
+def _container(name: str, image: str, cpus: float, gpus: float, ports: list[int] = ()) -> dict[str, Any]:
+    limits = {"cpu": str(max(1, int(cpus))), "memory": "8Gi", **({"nvidia.com/gpu": str(int(gpus))} if gpus else {})}
+    return {"name": name, "image": image, "resources": {"limits": limits, "requests": dict(limits)},
+            **({"ports": [{"containerPort": p} for p in ports]} if ports else {})}
+
+
+def kuberay(cfg: ClusterConfig, image: str, ray_version: str) -> dict[str, Any]:
+    """A KubeRay RayService (apiVersion ray.io/v1): a head group running the router and
+    Ray Serve's proxies, one worker group per pool sized by its autoscaling bounds."""
+    raw = pinned(cfg)
+    groups = []
+    for name in _pools(cfg):
+        pool = getattr(cfg, name)
+        options = raw[name]["ray_actor_options"]
+        cpus, gpus = float(options.get("num_cpus", 1)), float(options.get("num_gpus", 0))
+        bounds = pool.autoscaling_config
+        # KubeRay wants the resources as a quoted JSON string: "{\"prefill_node\": 1}"
+        start = {"num-cpus": str(max(1, int(cpus))), "resources": json.dumps(json.dumps({k: 1 for k in options["resources"]}))}
+        if gpus:
+            start["num-gpus"] = str(int(gpus))
+        groups.append({
+            "groupName": name, "replicas": bounds.get("min_replicas", 1), "minReplicas": bounds.get("min_replicas", 1),
+            "maxReplicas": bounds.get("max_replicas", 1), "rayStartParams": start,
+            "template": {"spec": {"containers": [_container("ray-worker", image, cpus, gpus)]}},
+        })
+    head = {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+            "template": {"spec": {"containers": [_container("ray-head", image, 2, 0, [6379, 8265, cfg.router.http_port, cfg.router.grpc_port])]}}}
+    return {
+        "apiVersion": "ray.io/v1", "kind": "RayService", "metadata": {"name": "pdserve"},
+        "spec": {"serveConfigV2": yaml.safe_dump(serve_config(cfg), sort_keys=False),
+                 "rayClusterConfig": {"rayVersion": ray_version, "enableInTreeAutoscaling": True,
+                                      "headGroupSpec": head, "workerGroupSpecs": groups}},
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (serveConfigV2) as literal blocks, as KubeRay's examples write them."""
+
+
+_Dumper.add_representer(str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style="|" if "\n" in v else None))
+
+
+def dump(obj: Any) -> str:
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False)

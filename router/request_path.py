@@ -1,0 +1,132 @@
+"""One request's path through the pools: prefill -> KV hand-off -> streamed decode, and
+what happens when a replica dies on the way.
+
+- A prefill replica dies (its call fails with a Ray actor error): the prefill is sent
+  again, to another replica (Ray Serve drops the dead one), up to ``max_retries`` times.
+- A decode replica dies mid-stream: the request migrates. Another decode replica gets the
+  prompt plus every token already streamed, recomputes their KV (as a prefill) and goes on
+  from the next token, so the client's stream has no gap and no repeat. Up to
+  ``max_retries`` migrations per request.
+
+Every stage has a deadline in the worker that runs it: prefill ``PREFILL_DEADLINE_S``,
+the KV fetch ``kv_transfer.timeout_s``, each decode token ``STEP_DEADLINE_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from typing import AsyncIterator
+
+from ray.exceptions import RayActorError
+
+from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, TokenChunk
+from pdserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+REPLICA_GONE = (RayActorError,)  # the replica's actor died or cannot be reached (ActorDiedError, ActorUnavailableError)
+
+
+class RequestPath:
+    """``prefill``/``decode``: Ray Serve deployment handles (``prefill`` None in colocated mode)."""
+
+    def __init__(self, prefill, decode, max_retries: int, backoff_s: float):
+        self.prefill, self.decode = prefill, decode
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.num_prefill_retries = 0
+        self.num_migrations = 0
+        self._background: set[asyncio.Future] = set()  # clean-up tasks, held until done (the loop keeps weak refs)
+
+    async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        """The request's tokens as the pools produce them. Close it early (a stop string, a
+        client that left) and both pools free what they hold at once."""
+        if self.prefill is None:  # colocated: one pool does it all
+            items = self._decode(DecodeRequest(request_id, prompt_ids, None, params, None), [])
+            try:
+                async for item in items:
+                    yield item
+            finally:
+                await items.aclose()  # at once, not at garbage collection: the pool frees the request now
+            return
+        first = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
+        first_logprobs = [first.first_logprob] if first.first_logprob else None
+        if first.finish_reason is not None:  # done after one token: decode never runs
+            stopped = first.finish_reason == "stop"  # the stop token is not returned
+            yield TokenChunk([] if stopped else [first.first_token], first.finish_reason, None if stopped else first_logprobs)
+            return
+        finished, items = False, None
+        try:
+            yield TokenChunk([first.first_token], None, first_logprobs)
+            items = self._decode(DecodeRequest(request_id, prompt_ids, first.first_token, params, first.kv), [first.first_token])
+            async for item in items:
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            if items is not None:
+                await items.aclose()
+            if not finished:  # cancelled, failed or stopped by a stop string: prefill frees its copy now
+                self._release(first.kv.transfer_id)
+
+    async def _decode(self, request: DecodeRequest, streamed: list[int]) -> AsyncIterator[TokenChunk]:
+        """Stream ``request`` from the decode pool; if the replica dies, migrate (see above).
+        ``streamed``: the tokens the client already has (the first one, in disaggregated mode)."""
+        streamed = list(streamed)
+        for migration in range(self.max_retries + 1):
+            stream, finished = self.decode.options(stream=True).generate.remote(request), False
+            try:
+                async for item in stream:
+                    finished = item.finish_reason is not None
+                    streamed.extend(item.token_ids)
+                    yield item
+                    if finished:
+                        return
+                return
+            except REPLICA_GONE as e:
+                if migration == self.max_retries:
+                    raise
+                self.num_migrations += 1
+                log.warning("decode replica lost mid-stream for %s after %d tokens (%s); migrating", request.request_id, len(streamed), type(e).__name__)
+                if request.kv is not None:  # it may have died before fetching: free prefill's copy now
+                    self._release(request.kv.transfer_id)
+                await asyncio.sleep(self.backoff_s)
+                if streamed:  # go on after what the client has; with nothing yet (colocated), send it again as it was
+                    request = DecodeRequest(request.request_id, request.prompt_ids, streamed[0], request.params, None, tuple(streamed[1:]))
+            finally:
+                if not finished:
+                    stream.cancel()
+
+    async def _prefill(self, request: PrefillRequest) -> PrefillResult:
+        """The prefill call, retried on another replica if its replica dies.
+
+        Each call is a child of this request, so Ray Serve cancels it when the request is
+        cancelled. If the request is cancelled while the reply is on its way (prefill done,
+        KV leased), the lease is released when the reply lands instead of left to expire."""
+        for attempt in range(self.max_retries + 1):
+            call = asyncio.ensure_future(self.prefill.prefill.remote(request))
+            try:
+                return await asyncio.shield(call)
+            except asyncio.CancelledError:
+                self._background.add(call)
+                call.add_done_callback(self._release_orphan)
+                raise
+            except REPLICA_GONE as e:
+                if attempt == self.max_retries:
+                    raise
+                self.num_prefill_retries += 1
+                log.warning("prefill replica lost for %s (%s); retrying on another", request.request_id, type(e).__name__)
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _release_orphan(self, call: asyncio.Future) -> None:
+        self._background.discard(call)
+        if not call.cancelled() and call.exception() is None and call.result().kv is not None:
+            self._release(call.result().kv.transfer_id)
+
+    def _release(self, transfer_id: str) -> None:
+        """Ask prefill to free a lease now; fire and forget (an unanswered lease expires).
+
+        Called outside this request's Ray Serve context: when a request is cancelled, Ray
+        Serve cancels its child calls not yet assigned to a replica, and this one must run."""
+        contextvars.Context().run(self.prefill.release.remote, transfer_id)

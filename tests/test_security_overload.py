@@ -1,0 +1,190 @@
+"""Security and overload on a real cluster (issue 7): the API key on gRPC and HTTP, the KV
+channel's shared secret, request size limits, admission control with a retry hint, and a
+bounded soak at twice the measured capacity that ends with nothing hung or leaked."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from conftest import serve_cluster
+
+pytestmark = pytest.mark.e2e
+GRPC_PORT, HTTP_PORT = 9160, 8160
+API_KEY, MAX_IN_FLIGHT = "test-api-key", 4
+PROMPT = list(range(2000, 2040))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from serve_cluster({
+        "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "max_in_flight": MAX_IN_FLIGHT, "retry_after_s": 0.5,
+                   "max_request_bytes": 65536},
+        "security": {"api_key": API_KEY, "kv_secret": "kv-test-secret"},
+        "kv_transfer": {"backend": "grpc", "on_fault": "fail"},  # a refused KV secret would fail the request, not hide
+    }, api_key=API_KEY)
+
+
+def pool_stats(name: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(name, "pdserve").stats.remote().result(timeout_s=30)
+
+
+def client(api_key: str | None = API_KEY, retries: int = 0):
+    from pdserve.client import Client
+
+    return Client(f"127.0.0.1:{GRPC_PORT}", api_key=api_key, retries=retries)
+
+
+def http(path: str, body: dict | bytes | None = None, key: str | None = API_KEY) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(f"http://127.0.0.1:{HTTP_PORT}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
+
+
+# -- authentication -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_grpc_without_the_api_key_is_refused(cluster, key):
+    with client(key) as c, pytest.raises(grpc.RpcError) as info:
+        c.generate(prompt_token_ids=PROMPT, max_tokens=4)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in info.value.details()
+
+
+def test_with_the_key_the_answer_comes_through_the_secret_kv_channel(cluster, real_model_dir):
+    import torch
+
+    from conftest import reference_generate
+    from pdserve.model_loader import load_model
+
+    before = pool_stats("decode")
+    with client() as c:
+        got = c.generate(prompt_token_ids=PROMPT, max_tokens=6, ignore_eos=True).token_ids
+    torch.set_num_threads(1)
+    want = reference_generate(load_model(real_model_dir, "bfloat16"), PROMPT, 6, ignore_eos=True)
+    assert got == want
+    after = pool_stats("decode")
+    assert after["num_kv_fetched"] == before["num_kv_fetched"] + 1 and after["num_kv_faults"] == before["num_kv_faults"]
+
+
+def test_http_needs_the_bearer_token_except_health(cluster):
+    body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2}
+    for key in (None, "wrong"):
+        status, _, answer = http("/v1/completions", body, key)
+        assert status == 401 and answer["error"]["type"] == "authentication_error"
+        assert http("/v1/models", key=key)[0] == 401
+    assert http("/v1/completions", body)[0] == 200 and http("/v1/models")[0] == 200
+    with urllib.request.urlopen(f"http://127.0.0.1:{HTTP_PORT}/health", timeout=10) as r:
+        assert r.status == 200  # load balancers probe without a key
+
+
+def test_requests_over_the_size_limit_are_refused(cluster):
+    status, _, answer = http("/v1/completions", b'{"prompt": "' + b"x" * 70000 + b'"}')
+    assert status == 413 and "max_request_bytes" in answer["error"]["message"]
+    with client() as c, pytest.raises(grpc.RpcError) as info:
+        c.generate("y" * 70000, max_tokens=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_request_bytes" in info.value.details()
+
+
+# -- overload -------------------------------------------------------------------------
+
+
+def test_beyond_max_in_flight_requests_get_resource_exhausted_with_a_retry_hint(cluster):
+    from pdserve.client import server_retry_after_s
+
+    outcomes: list[str] = []
+    hints: list[float | None] = []
+
+    def one(i: int):
+        with client() as c:
+            try:
+                c.generate(prompt_token_ids=[i + 3, *PROMPT], max_tokens=48, ignore_eos=True, timeout_s=120)
+                outcomes.append("ok")
+            except grpc.RpcError as e:
+                outcomes.append(e.code().name)
+                hints.append(server_retry_after_s(e))  # Ray Serve's proxy drops trailing metadata: read from the message
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3 * MAX_IN_FLIGHT)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    status, headers, answer = http("/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+    for t in threads:
+        t.join(180)
+    assert set(outcomes) == {"ok", "RESOURCE_EXHAUSTED"} and outcomes.count("ok") >= MAX_IN_FLIGHT, outcomes
+    assert hints and all(h == 0.5 for h in hints)
+    assert status == 429 and headers["retry-after"] == "1" and answer["error"]["type"] == "rate_limit_error"
+    router = pool_stats("router")
+    assert router["num_in_flight"] == 0 and router["num_refused"] >= outcomes.count("RESOURCE_EXHAUSTED")
+
+
+def test_a_soak_at_twice_capacity_ends_with_nothing_hung_or_leaked(cluster):
+    """Capacity is measured first (closed loop at max_in_flight), then Poisson arrivals at
+    twice that rate for 30 s: every request ends in time, as an answer or RESOURCE_EXHAUSTED."""
+    import random
+
+    def run(body, seconds: float, threads: int):
+        stop = time.monotonic() + seconds
+        ends = []
+
+        def loop(seed):
+            rng = random.Random(seed)
+            while time.monotonic() < stop:
+                ends.append(body(rng))
+
+        workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(240)
+        return ends
+
+    def request(rng) -> str:
+        with client() as c:
+            try:
+                c.generate(prompt_token_ids=[rng.randrange(1000, 30000) for _ in range(64)], max_tokens=24, ignore_eos=True, timeout_s=90)
+                return "ok"
+            except grpc.RpcError as e:
+                return e.code().name
+
+    baseline = {name: pool_stats(name)["rss_bytes"] for name in ("prefill", "decode")}
+    start = time.monotonic()
+    measured = run(request, 10.0, MAX_IN_FLIGHT)
+    capacity = measured.count("ok") / (time.monotonic() - start)
+    assert capacity > 0, measured
+    rate, ends, threads = 2 * capacity, [], []
+    deadline = time.monotonic() + 30.0
+    rng = random.Random(0)
+    while time.monotonic() < deadline:  # open loop: arrivals do not wait for answers
+        t = threading.Thread(target=lambda r=random.Random(rng.random()): ends.append(request(r)))
+        t.start()
+        threads.append(t)
+        time.sleep(rng.expovariate(rate))
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "hung requests"
+    assert set(ends) <= {"ok", "RESOURCE_EXHAUSTED"} and ends.count("ok") > 0, {k: ends.count(k) for k in set(ends)}
+    deadline = time.monotonic() + 60
+    while True:
+        prefill, decode = pool_stats("prefill"), pool_stats("decode")
+        idle = prefill["num_held"] == 0 and decode["num_running"] == 0 and decode["num_used_blocks"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert idle, (prefill, decode)
+    assert pool_stats("router")["num_in_flight"] == 0
+    for name, stats in (("prefill", prefill), ("decode", decode)):
+        assert stats["num_waiting"] == 0 and stats["rss_bytes"] < baseline[name] * 1.25, (name, baseline[name], stats["rss_bytes"])
