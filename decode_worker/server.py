@@ -74,12 +74,23 @@ class DecodeServer:
     async def _reserve(self, num_tokens: int, deadline: float) -> list[int]:
         """Blocks for the incoming KV; they count as used from now on, so admission sees them."""
         while True:
-            blocks = await asyncio.to_thread(self.engine.reserve, num_tokens)
+            # the reserve runs in a thread (it waits for the engine lock); if this request is
+            # cancelled meanwhile, blocks it still takes are handed back, not lost
+            call = asyncio.ensure_future(asyncio.to_thread(self.engine.reserve, num_tokens))
+            try:
+                blocks = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                call.add_done_callback(self._free_reserved)
+                raise
             if blocks is not None:
                 return blocks
             if time.monotonic() > deadline:
                 raise CapacityError(f"decode KV pool has no room for {num_tokens} tokens")
             await asyncio.sleep(0.01)
+
+    def _free_reserved(self, call: asyncio.Future) -> None:
+        if not call.cancelled() and call.exception() is None and call.result():
+            self.engine.free_blocks(call.result())
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """Stream the tokens after ``request.first_token``.

@@ -82,7 +82,8 @@ def desired_replicas(settings: PolicySettings, current: int, metrics: dict[str, 
     Serve's bounds and delays.
 
     ``metrics``: metric name -> one value per running replica (their ``replica_stats``,
-    averaged over the look-back window). With no reports yet the answer is ``current``.
+    averaged over the look-back window). With no report in the window the answer is
+    ``current``: a replica too busy to report in time must not look idle.
 
     Queue length and latency are symptoms that fade once a pool is big enough, so a pool
     sized on them would shrink, queue again and grow (flapping). A shrink must therefore
@@ -91,6 +92,9 @@ def desired_replicas(settings: PolicySettings, current: int, metrics: dict[str, 
     requests and KV usage do.
     """
     current = max(current, 1)
+    needed = {"queued_tokens": "num_uncomputed_tokens", "ttft": "ttft_p90_s", "load": "num_requests", "tpot": "tpot_p90_s"}[settings.metric]
+    if not metrics.get(needed):  # no fresh report in the window (a busy replica can be late): hold, never read it as idle
+        return current
     total = {name: sum(values) for name, values in metrics.items()}
     headroom = settings.downscale_headroom
     if settings.metric in ("ttft", "tpot"):

@@ -59,6 +59,13 @@ def test_latency_signals_step_one_replica_against_the_slo(pool, metric, slo_key)
     assert desired_replicas(s, 3, {}) == 3  # no reports yet: no change
 
 
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_a_window_without_reports_holds_the_size(pool):
+    """Ray Serve passes no metrics when no report is fresh (a busy replica reports late):
+    that must not read as an idle pool."""
+    assert desired_replicas(settings(pool), 2, {}) == 2
+
+
 def test_a_load_between_the_thresholds_holds_the_size_either_way():
     """Hysteresis: one load, two pool sizes, each stays where it is."""
     s = settings("decode")

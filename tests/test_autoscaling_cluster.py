@@ -16,7 +16,7 @@ GRPC_PORT, HTTP_PORT = 9150, 8150
 FAST = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 2.0, "downscale_delay_s": 8.0,
         "metrics_interval_s": 0.5, "look_back_period_s": 2.0}
 POOL = {"ray_actor_options": {"num_cpus": 0.5}, "kv_cache_tokens": 8192}
-LOAD_S, NUM_CLIENTS = 45.0, 12
+LOAD_S, NUM_CLIENTS = 60.0, 12
 # half the clients keep prefill busy (long prompts, 1 token out), half keep decode busy (short prompts, long outputs)
 SHAPES = [(1000, 1), (32, 160)]  # max_tokens 1: answered by prefill alone
 

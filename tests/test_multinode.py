@@ -44,7 +44,10 @@ def cluster_address():
         yield address
     finally:
         import ray
+        from ray import serve
 
+        if ray.is_initialized():
+            serve.shutdown()  # also stops this process's handles, whose background tasks would re-init Ray
         ray.shutdown()
         subprocess.run([sys.executable, "-m", "pdserve.cli", "down"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
         subprocess.run([RAY, "stop", "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
