@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Ray 2.60 turns token authentication on for clusters that `ray start --head` makes but not
+# for raylets joining them, and caches the mode per process: every Ray these tests start
+# (local clusters, the multi-node test's raylets, `pdserve up`) runs without it.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def tiny_model(family: str, seed: int = 0):
