@@ -67,8 +67,6 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
 @serve.ingress(app)
 class Router:
     def __init__(self, prefill, decode, config: dict[str, Any]):
-        self.prefill = prefill  # DeploymentHandle of PrefillServer; None in colocated mode
-        self.decode = decode  # DeploymentHandle of DecodeServer (the colocated pool in colocated mode)
         self.cfg = ClusterConfig.from_dict(config)
         model_dir = resolve_model_dir(self.cfg.model.path)
         self.tokenizer = load_tokenizer(model_dir)
@@ -80,6 +78,7 @@ class Router:
         self.metrics = RouterMetrics(self.model_name)
         r = self.cfg.router
         self.admission = Admission(r.max_in_flight, r.retry_after_s, r.max_request_bytes, self.cfg.security.api_key)
+        # prefill: DeploymentHandle of PrefillServer (None in colocated mode); decode: of DecodeServer
         self.path = RequestPath(prefill, decode, r.max_retries, r.retry_backoff_s)
 
     # -- parsing ---------------------------------------------------------------
