@@ -53,6 +53,7 @@ class PolicySettings:
     target_kv_usage: float = 0.8  # fraction of KV blocks in use per decode replica
     tpot_slo_s: float = 0.2
     downscale_headroom: float = 0.7  # shrink only if the load fits at this fraction of the target
+    report_hold_s: float = 30.0  # with no fresh report, keep the last decision this long (seconds)
 
     @classmethod
     def parse(cls, pool: str, raw: dict[str, Any]) -> "PolicySettings":
@@ -77,6 +78,14 @@ def _fits(total: float, target: float, headroom: float) -> int:
     return math.ceil(total / (target * headroom))
 
 
+_SIGNAL = {"queued_tokens": "num_uncomputed_tokens", "ttft": "ttft_p90_s", "load": "num_requests", "tpot": "tpot_p90_s"}  # metric -> report key
+
+
+def num_reporting(settings: PolicySettings, metrics: dict[str, list[float]]) -> int:
+    """Replicas with a fresh value of the signal ``settings.metric`` reads."""
+    return len(metrics.get(_SIGNAL[settings.metric], []))
+
+
 def desired_replicas(settings: PolicySettings, current: int, metrics: dict[str, list[float]]) -> int:
     """Replicas the pool wants now, given its current target size ``current``, before Ray
     Serve's bounds and delays.
@@ -92,8 +101,7 @@ def desired_replicas(settings: PolicySettings, current: int, metrics: dict[str, 
     requests and KV usage do.
     """
     current = max(current, 1)
-    needed = {"queued_tokens": "num_uncomputed_tokens", "ttft": "ttft_p90_s", "load": "num_requests", "tpot": "tpot_p90_s"}[settings.metric]
-    if not metrics.get(needed):  # no fresh report in the window (a busy replica can be late): hold, never read it as idle
+    if not num_reporting(settings, metrics):  # no fresh report in the window (a busy replica can be late): hold, never read it as idle
         return current
     total = {name: sum(values) for name, values in metrics.items()}
     headroom = settings.downscale_headroom
@@ -125,7 +133,12 @@ def desired_replicas(settings: PolicySettings, current: int, metrics: dict[str, 
 class PoolAutoscaler:
     """Ray Serve custom autoscaling policy (a class policy: ``policy_kwargs`` are its
     constructor's arguments). Called with an ``AutoscalingContext`` each control-loop
-    tick; returns (replicas wanted, policy state)."""
+    tick; returns (replicas wanted, policy state).
+
+    A tick without a fresh report repeats the last decision (for up to
+    ``report_hold_s``): a replica busy at 100% reports late, and answering "no change"
+    for that tick would restart Ray Serve's ``upscale_delay_s`` wait, so a saturated pool
+    whose reports arrive every other tick would never grow."""
 
     def __init__(self, pool: str, **settings: Any):
         self.pool = pool
@@ -134,12 +147,21 @@ class PoolAutoscaler:
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         per_replica = ctx.aggregated_metrics or {}
         metrics = {name: list(values.values()) for name, values in per_replica.items()}
-        # sized against the target (replicas starting count), so a pool does not shrink while it grows
-        want = desired_replicas(self.settings, ctx.target_num_replicas, metrics)
-        if want != (ctx.policy_state or {}).get("pdserve_last_wanted", ctx.target_num_replicas):  # in the Serve controller's log
+        state, now = dict(ctx.policy_state or {}), time.monotonic()
+        last_wanted = state.get("pdserve_last_wanted", ctx.target_num_replicas)
+        if num_reporting(self.settings, metrics):
+            # sized against the target (replicas starting count), so a pool does not shrink while it grows
+            want = desired_replicas(self.settings, ctx.target_num_replicas, metrics)
+            state["pdserve_reported_at"] = now
+            if num_reporting(self.settings, metrics) < ctx.current_num_replicas:  # the silent ones may be the busy ones
+                want = max(want, ctx.target_num_replicas)  # partial reports can grow the pool, never shrink it
+        elif now - state.get("pdserve_reported_at", -math.inf) <= self.settings.report_hold_s:
+            want = last_wanted  # a late report is not a change of mind
+        else:
+            want = ctx.target_num_replicas
+        if want != last_wanted:  # in the Serve controller's log
             log.info("pdserve %s pool wants %d replicas (target %d, %d running) on %s: %s", self.pool, want, ctx.target_num_replicas,
                      ctx.current_num_replicas, self.settings.metric, {k: round(sum(v), 3) for k, v in metrics.items()})
-        state = dict(ctx.policy_state or {})
         state["pdserve_last_wanted"] = want
         return want, state
 

@@ -3,6 +3,7 @@ arithmetic, the hysteresis that keeps a pool from flapping, and the config check
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -80,6 +81,31 @@ def test_the_ray_policy_wraps_the_context():
     want, state = policy(ctx)
     assert want == 2 and state["x"] == 1 and state["pdserve_last_wanted"] == 2
     assert ray_policy("prefill", {}) == {"policy_function": "pdserve.autoscaling:PoolAutoscaler", "policy_kwargs": {"pool": "prefill"}}
+
+
+def test_a_tick_without_a_report_repeats_the_last_decision_for_a_while():
+    """A saturated replica reports every other tick; answering "no change" on the silent
+    ticks would restart Ray Serve's upscale delay and the pool would never grow."""
+    policy = PoolAutoscaler("prefill", target_queued_tokens=512, report_hold_s=0.2)
+    busy = {"num_uncomputed_tokens": {"r1": 3000.0}, "busy_fraction": {"r1": 1.0}}
+    state = None
+    for metrics in (busy, {}, busy, {}):
+        want, state = policy(SimpleNamespace(current_num_replicas=1, target_num_replicas=1, policy_state=state, aggregated_metrics=metrics))
+        assert want == 2
+    time.sleep(0.3)  # silent for longer than report_hold_s: back to "no change"
+    want, state = policy(SimpleNamespace(current_num_replicas=1, target_num_replicas=1, policy_state=state, aggregated_metrics={}))
+    assert want == 1
+
+
+def test_a_tick_where_only_an_idle_replica_reported_does_not_shrink_the_pool():
+    policy = PoolAutoscaler("prefill", target_queued_tokens=512)
+    idle_only = {"num_uncomputed_tokens": {"r2": 0.0}, "busy_fraction": {"r2": 0.0}}
+    ctx = SimpleNamespace(current_num_replicas=2, target_num_replicas=2, policy_state=None, aggregated_metrics=idle_only)
+    assert policy(ctx)[0] == 2
+    ctx.aggregated_metrics = {"num_uncomputed_tokens": {"r1": 3000.0}, "busy_fraction": {"r1": 1.0}}
+    assert policy(ctx)[0] == 4  # ... but may grow it
+    ctx.aggregated_metrics = {"num_uncomputed_tokens": {"r1": 0.0, "r2": 0.0}, "busy_fraction": {"r1": 0.0, "r2": 0.0}}
+    assert policy(ctx)[0] == 0  # all reported, all idle (Ray Serve applies min_replicas)
 
 
 @pytest.mark.parametrize("pool, raw, message", [
