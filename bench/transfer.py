@@ -1,6 +1,7 @@
 """KV transfer benchmark: bytes/s and latency per backend for the bundled model's KV at
 128 to 8,192 tokens, against memcpy bandwidth measured in the same run, and the share
-of TTFT that the transfer takes for a 2,048-token prompt.
+of TTFT that the transfer takes for a 2,048-token prompt; then how much of the grpc
+transfer layer-wise streaming hides behind prefill (bench/overlap.py).
 
 Run: ``bash bench/run.sh transfer`` (or ``python -m bench.transfer --help``). Writes a
 table to stdout, ``bench/out/transfer.json`` and ``bench/out/transfer.png``.
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench import hardware
+from bench.overlap import measure as measure_overlap
 
 BLOCK_SIZE = 16
 
@@ -189,6 +191,7 @@ def main() -> None:
         r["fraction_of_memcpy"] = r["bytes_per_s"] / memcpy
         if r["backend"] == "grpc" and raw_grpc:
             r["fraction_of_raw_grpc"] = r["bytes_per_s"] / raw_grpc
+    overlap = measure_overlap(args.model, args.dtype, sorted({512, args.ttft_tokens}), args.repeats) if "grpc" in backends else []
     prefill_s = prefill_seconds(args.model, args.dtype, args.ttft_tokens)
     ttft = {}
     for backend in backends:
@@ -202,10 +205,11 @@ def main() -> None:
         "grpc_fraction_of_raw_grpcio_at_largest": by[("grpc", largest)].get("fraction_of_raw_grpc") if ("grpc", largest) in by else None,
         "shm_fraction_of_memcpy_at_largest": by[("shm", largest)]["fraction_of_memcpy"] if ("shm", largest) in by else None,
         **{f"{b}_fraction_of_ttft_at_{args.ttft_tokens}": v["fraction_of_ttft"] for b, v in ttft.items()},
+        **{f"layerwise_hidden_fraction_at_{r['tokens']}": r["hidden_fraction"] for r in overlap},
     }
     result = {"model": args.model, "dtype": args.dtype, "memcpy_bytes_per_s": memcpy, "raw_grpcio_bytes_per_s": raw_grpc,
               "kv_bytes_per_token": spec.bytes_per_token,
-              "transfers": transfers, "ttft": ttft, "targets": targets}
+              "transfers": transfers, "ttft": ttft, "layerwise_overlap": overlap, "targets": targets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "transfer.json").write_text(json.dumps(result, indent=2))

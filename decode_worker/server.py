@@ -17,18 +17,20 @@ from pdserve.config import ClusterConfig
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
-from pdserve.errors import CapacityError, KVAuthError, KVIncompatibleError, KVTransferError
+from pdserve.errors import CapacityError, FirstTokenMissingError, KVAuthError, KVIncompatibleError, KVTransferError
 from pdserve.messages import DecodeRequest, TokenChunk
 from pdserve.metrics import PoolMetrics
-from pdserve.worker import build_engine, rss_bytes
+from pdserve.worker import PREFILL_DEADLINE_S, build_engine, rss_bytes
 
 log = logging.getLogger(__name__)
 
 STEP_DEADLINE_S = 60.0  # longest wait for one token before the request fails
 
 
-async def receive_kv(kv_cache: PagedKVCache, receiver: KVReceiver, handle: KVHandle, blocks: list[int], num_tokens: int, timeout_s: float) -> str:
-    """Fetch a prompt's KV into ``blocks`` (reserved by the caller); returns the transport.
+async def receive_kv(kv_cache: PagedKVCache, receiver: KVReceiver, handle: KVHandle, blocks: list[int], num_tokens: int,
+                     timeout_s: float) -> tuple[str, int | None]:
+    """Fetch a prompt's KV into ``blocks`` (reserved by the caller); returns the transport
+    and, for KV streamed layer-wise, prefill's first token (else None).
 
     Cancel-safe: if the awaiting task is cancelled, the fetch thread is told to stop and
     awaited (it stops at its next chunk or layer, or at its deadline) before the
@@ -39,7 +41,7 @@ async def receive_kv(kv_cache: PagedKVCache, receiver: KVReceiver, handle: KVHan
     sink = PagedKVSink(kv_cache, blocks, num_tokens)
     task = asyncio.ensure_future(asyncio.to_thread(receiver.fetch, handle, sink, timeout_s, cancel))
     try:
-        return await asyncio.shield(task)
+        return await asyncio.shield(task), sink.first_token
     except asyncio.CancelledError:
         cancel.set()
         with contextlib.suppress(BaseException):
@@ -124,9 +126,15 @@ class DecodeServer:
         """Reserve blocks and fetch the prompt's KV into them; on a fault, recompute or raise
         (kv_transfer.on_fault). Returns the sequence to run and the blocks it holds."""
         blocks = await self._reserve(num_prompt, time.monotonic() + timeout_s)
+        first_token = request.first_token
+        if first_token is None:  # layer-wise: the fetch also waits for prefill to compute the KV
+            timeout_s += PREFILL_DEADLINE_S
         try:
             start = time.perf_counter()
-            transport = await receive_kv(self.engine.kv_cache, self.kv_receiver, request.kv, blocks, num_prompt, timeout_s)
+            transport, streamed_first = await receive_kv(self.engine.kv_cache, self.kv_receiver, request.kv, blocks, num_prompt, timeout_s)
+            first_token = first_token if first_token is not None else streamed_first
+            if first_token is None:
+                raise KVTransferError(f"the KV of {request.request_id} came without the first token it needs")
             self.num_kv_fetched += 1
             self.metrics.kv_transfer_seconds.observe(time.perf_counter() - start, tags={"transport": transport})
             self.metrics.kv_transfer_bytes.inc(num_prompt * self.engine.kv_spec.bytes_per_token, tags={"transport": transport})
@@ -138,6 +146,8 @@ class DecodeServer:
             await self._release_quietly(request.kv)  # the sender frees its copy now, not at lease expiry
             if isinstance(e, (KVIncompatibleError, KVAuthError)) or self.cfg.kv_transfer.on_fault == "fail":  # deployment errors are never masked
                 raise
+            if first_token is None:  # layer-wise, broken before prefill's token came: the router resends it with the token
+                raise FirstTokenMissingError(f"KV stream for {request.request_id} broke before its first token ({e})") from None
             log.warning("KV fetch for %s failed (%s); recomputing the prompt here", request.request_id, e)
             self.num_recomputed += 1
         except BaseException:  # cancelled mid-fetch (or a bug): free both sides now
@@ -146,7 +156,7 @@ class DecodeServer:
             raise
         # with its KV: decode from the first token on; without (recompute): prefill prompt + first token here
         seq = Sequence(
-            request.request_id, [*request.prompt_ids, request.first_token], num_prompt, request.params,
+            request.request_id, [*request.prompt_ids, first_token], num_prompt, request.params,
             num_computed_tokens=num_prompt if blocks else 0, block_table=blocks,
         )
         return seq, blocks

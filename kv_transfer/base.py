@@ -58,9 +58,11 @@ class KVSource(ABC):
 
 
 class KVSink(ABC):
-    """Where received KV goes."""
+    """Where received KV goes. ``first_token`` is set by the receiver when the KV was
+    streamed layer-wise (kv_transfer/progress.py): prefill's first token, sent after it."""
 
     spec: KVSpec
+    first_token: int | None = None
 
     @abstractmethod
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

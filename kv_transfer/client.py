@@ -97,6 +97,8 @@ class KVClient(KVReceiver):
             if transport == "shm":
                 desc = stub.DescribeKV(kv_pb2.DescribeKVRequest(transfer_id=handle.transfer_id), timeout=left())
                 nbytes, sums = self._shm.copy(desc, sink, cancel)
+                if desc.layerwise:  # leased while prefill ran: DescribeKV answered once it ended
+                    sink.first_token = desc.first_token
             else:
                 stream = stub.FetchKV(kv_pb2.FetchKVRequest(transfer_id=handle.transfer_id), timeout=left())
                 done = threading.Event()

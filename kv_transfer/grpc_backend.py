@@ -9,8 +9,11 @@ here against zlib CRC32's 2-4) that the receiver checks before use.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 import warnings
+from typing import Callable
 
 import torch
 import xxhash
@@ -46,10 +49,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size: int = 0, faults: FaultInjector | None = None):
+def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size: int = 0, faults: FaultInjector | None = None,
+                deadline: float = math.inf, alive: Callable[[], bool] | None = None):
     """Yield the FetchKV stream of ``source``: a header (a message), then per layer chunks of at
-    most ``chunk_bytes``, each already encoded (bytes, kv_transfer/wire.py)."""
+    most ``chunk_bytes``, each already encoded (bytes, kv_transfer/wire.py).
+
+    A source still being computed (``source.streamed``, kv_transfer/progress.py) is sent
+    layer-wise: each chunk as soon as prefill has written it, then a KVTrailer with the
+    first token. Waits end at ``deadline`` (time.monotonic()) or once ``alive()`` is false
+    (the receiver left), raising KVNotReadyError."""
     spec, num_tokens = source.spec, source.num_tokens
+    streamed = getattr(source, "streamed", False)
     bytes_per_layer_token = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
     tokens_per_chunk = max(1, chunk_bytes // bytes_per_layer_token)
     if block_size and tokens_per_chunk >= block_size:  # block-aligned chunks go out without a gather
@@ -60,23 +70,29 @@ def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size
         header=kv_pb2.KVHeader(
             transfer_id=transfer_id, dtype=dtype_name(spec.dtype), num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_tokens=num_tokens,
-            num_chunks=spec.num_layers * len(starts), block_size=block_size,
+            num_chunks=spec.num_layers * len(starts), block_size=block_size, layerwise=streamed,
         )
     )
     for layer in range(spec.num_layers):
         for start in starts:
             end = min(start + tokens_per_chunk, num_tokens)
-            views = source.pieces(layer, start, end) if hasattr(source, "pieces") else None
-            if views is not None:  # straight from the pool's blocks: one copy, into the message
-                key, value = views
-            else:  # gathered: [kv_heads, n, head_dim] each
-                k, v = source.read(layer, start, end)
-                key, value = _buffer(k), _buffer(v)
-            digest = payload_checksum(key, value)
-            if corrupt:  # injected: one flipped byte after the checksum was taken
-                flat = b"".join(key) if isinstance(key, list) else bytes(key)
-                key, corrupt = bytes([flat[0] ^ 0xFF]) + flat[1:], False
-            yield encode_chunk(layer, start, end - start, key, value, digest)
+            if streamed:  # wait for prefill to write it, then copy it out before a preemption can free it
+                source.wait_layer(layer, end, deadline, alive)
+            with source.reading() if streamed else contextlib.nullcontext():
+                views = source.pieces(layer, start, end) if hasattr(source, "pieces") else None
+                if views is not None:  # straight from the pool's blocks: one copy, into the message
+                    key, value = views
+                else:  # gathered: [kv_heads, n, head_dim] each
+                    k, v = source.read(layer, start, end)
+                    key, value = _buffer(k), _buffer(v)
+                digest = payload_checksum(key, value)
+                if corrupt:  # injected: one flipped byte after the checksum was taken
+                    flat = b"".join(key) if isinstance(key, list) else bytes(key)
+                    key, corrupt = bytes([flat[0] ^ 0xFF]) + flat[1:], False
+                message = encode_chunk(layer, start, end - start, key, value, digest)
+            yield message
+    if streamed:
+        yield kv_pb2.FetchKVResponse(trailer=kv_pb2.KVTrailer(first_token=source.wait_first_token(deadline, alive)))
 
 
 def check_header(header, handle: KVHandle, spec: KVSpec) -> None:
@@ -92,7 +108,8 @@ def check_header(header, handle: KVHandle, spec: KVSpec) -> None:
 
 
 def receive_stream(stream, handle: KVHandle, sink: KVSink, cancel: threading.Event | None) -> int:
-    """Write a FetchKV stream into ``sink``, checking every CRC; returns payload bytes.
+    """Write a FetchKV stream into ``sink``, checking every checksum; returns payload bytes.
+    A layer-wise stream's first token goes to ``sink.first_token``.
 
     Raises KVTransferError on a bad header, chunk, checksum, a short stream or a cancel.
     """
@@ -107,6 +124,11 @@ def receive_stream(stream, handle: KVHandle, sink: KVSink, cancel: threading.Eve
     for msg in stream:
         if cancel is not None and cancel.is_set():
             raise KVTransferError("KV transfer cancelled")
+        if not isinstance(msg, ChunkView) and msg.HasField("trailer"):  # layer-wise: prefill's first token ends it
+            if not header.layerwise or num_chunks != header.num_chunks:
+                raise KVTransferError(f"KV stream sent its trailer after {num_chunks} of {header.num_chunks} chunks")
+            sink.first_token = msg.trailer.first_token
+            continue
         chunk = msg if isinstance(msg, ChunkView) else msg.chunk
         if payload_checksum(chunk.key, chunk.value) != chunk.xxh3:
             raise KVTransferError(f"KV chunk (layer {chunk.layer}, token {chunk.start_token}) failed its checksum")
@@ -124,4 +146,6 @@ def receive_stream(stream, handle: KVHandle, sink: KVSink, cancel: threading.Eve
         nbytes += 2 * expected
     if num_chunks != header.num_chunks:
         raise KVTransferError(f"KV stream ended after {num_chunks} of {header.num_chunks} chunks")
+    if header.layerwise and sink.first_token is None:
+        raise KVTransferError("layer-wise KV stream ended without its trailer (the first token)")
     return nbytes

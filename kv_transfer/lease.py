@@ -38,6 +38,15 @@ class LeaseTable:
                 raise KeyError(f"transfer id {transfer_id!r} is already held")
             self._leases[transfer_id] = _Lease(source, time.monotonic() + lease_s)
 
+    def renew(self, transfer_id: str, lease_s: float) -> bool:
+        """Restart a held lease's clock at ``lease_s`` seconds from now; False if it is gone."""
+        with self._lock:
+            lease = self._leases.get(transfer_id)
+            if lease is None:
+                return False
+            lease.expires_at = time.monotonic() + lease_s
+            return True
+
     def get(self, transfer_id: str) -> KVSource | None:
         """The held KV, or None if unknown, released or expired."""
         with self._lock:

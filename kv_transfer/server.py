@@ -30,6 +30,7 @@ from kv_transfer.fingerprint import KVFingerprint
 from kv_transfer.malloc import keep_large_allocations
 from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, iter_chunks
 from kv_transfer.lease import LeaseTable
+from kv_transfer.progress import KVNotReadyError
 from pdserve.rpc import kv_pb2, kv_pb2_grpc
 
 
@@ -61,10 +62,15 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
     def FetchKV(self, request, context):
         source = self._held(request.transfer_id, context)
         broken = self._injected_stall_then_break()
-        for i, message in enumerate(iter_chunks(request.transfer_id, source, self.s.chunk_bytes, self.s.block_size, self.s.faults)):
-            if broken and i == 2:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: stream broken mid-transfer")
-            yield message
+        chunks = iter_chunks(request.transfer_id, source, self.s.chunk_bytes, self.s.block_size, self.s.faults,
+                             deadline=_deadline(context), alive=context.is_active)
+        try:
+            for i, message in enumerate(chunks):
+                if broken and i == 2:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: stream broken mid-transfer")
+                yield message
+        except KVNotReadyError as e:  # layer-wise: prefill failed, was preempted, or took too long
+            context.abort(grpc.StatusCode.ABORTED, str(e))
         self._held(request.transfer_id, context)  # still held: nothing was reused under the reads
 
     def DescribeKV(self, request, context):
@@ -74,6 +80,12 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill worker's KV pool is not in shared memory")
         if self._injected_stall_then_break():
             context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: connection broken mid-transfer")
+        first_token = 0
+        if getattr(source, "streamed", False):  # leased while prefill runs: answer once it has ended (no overlap over shm)
+            try:
+                first_token = source.wait_first_token(_deadline(context), context.is_active)
+            except KVNotReadyError as e:
+                context.abort(grpc.StatusCode.ABORTED, str(e))
         block_ids = shm_backend.block_ids(kv_cache, source.block_table, source.num_tokens)
         # checksum our blocks while the receiver copies them (the C call releases the GIL); ReleaseKV compares
         for tid in [t for t in self.s.checksums if self.s.table.get(t) is None]:  # leases that ended unacknowledged
@@ -84,6 +96,7 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
         return kv_pb2.DescribeKVResponse(
             shm_path=kv_cache.shm_path, pool_num_blocks=kv_cache.num_blocks, block_ids=block_ids,
             num_tokens=source.num_tokens, block_size=kv_cache.block_size,
+            layerwise=getattr(source, "streamed", False), first_token=first_token,
         )
 
     def ReleaseKV(self, request, context):
@@ -94,6 +107,12 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
             theirs = list(request.layer_checksums)
             mismatched = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), -1 if len(ours) == len(theirs) else 0)
         return kv_pb2.ReleaseKVResponse(released=self.s.table.release(request.transfer_id), mismatched_layer=mismatched)
+
+
+def _deadline(context) -> float:
+    """The call's gRPC deadline as time.monotonic() (10 minutes if the caller set none)."""
+    left = context.time_remaining()
+    return time.monotonic() + (left if left is not None else 600.0)
 
 
 def _register(servicer: _Servicer, server: grpc.Server) -> None:
@@ -123,7 +142,7 @@ class KVServer(KVSender):
     """
 
     def __init__(self, bind_host: str, chunk_bytes: int = 1 << 20, *, backend: str = "grpc", fingerprint: KVFingerprint | None = None,
-                 block_size: int = 0, shm_path: str | None = None, node_id: str = "", max_workers: int = 8, secret: str | None = None,
+                 block_size: int = 0, shm_path: str | None = None, node_id: str = "", max_workers: int = 128, secret: str | None = None,
                  tls_cert_file: str | None = None, tls_key_file: str | None = None):
         keep_large_allocations()
         self.table = LeaseTable()

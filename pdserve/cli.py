@@ -225,13 +225,14 @@ def render_serve(config: Optional[Path] = typer.Argument(None, help="cluster.yam
 def render_kuberay(
     config: Optional[Path] = typer.Argument(None, help="cluster.yaml; default: the embedded default"),
     image: str = typer.Option("pdserve:latest", help="container image with pdserve installed"),
+    secret_name: str = typer.Option("pdserve-secrets", help="Kubernetes Secret holding the \"env:NAME\" secrets of cluster.yaml, one key per NAME"),
 ):
     """A KubeRay RayService manifest: head group + one worker group per pool."""
     import ray
 
     from pdserve.render import dump, kuberay
 
-    typer.echo(dump(kuberay(_render_config(config), image, ray.__version__)), nl=False)
+    typer.echo(dump(kuberay(_render_config(config), image, ray.__version__, secret_name)), nl=False)
 
 
 bench_app = typer.Typer(help="Benchmarks against a running endpoint.", no_args_is_help=True)

@@ -84,11 +84,18 @@ class GenerateResult:
 def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                   prompt_token_ids: list[int] | None = None, request_id: str = "", model: str = "", **params) -> pb.GenerateRequest:
     """``params``: SamplingParams fields (max_tokens, temperature, top_p, top_k, seed,
-    min_tokens, stop, stop_token_ids, ignore_eos, logprobs). Raises ValueError for an unknown one."""
-    try:
-        sampling = pb.SamplingParams(**params)
-    except ValueError as e:
-        raise ValueError(f"unknown sampling parameter: {e}") from None
+    min_tokens, stop, stop_token_ids, ignore_eos, logprobs). Raises ValueError for an
+    unknown one, TypeError naming the parameter for a value of the wrong type."""
+    sampling = pb.SamplingParams()
+    if isinstance(params.get("stop"), str):  # as OpenAI's: one stop string (else protobuf would take each character)
+        params["stop"] = [params["stop"]]
+    for name, value in params.items():
+        if name not in pb.SamplingParams.DESCRIPTOR.fields_by_name:
+            raise ValueError(f"unknown sampling parameter: {name!r}")
+        try:
+            sampling.MergeFrom(pb.SamplingParams(**{name: value}))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"sampling parameter {name}={value!r}: {e}") from None
     return pb.GenerateRequest(
         prompt=prompt or "", messages=[pb.ChatMessage(**m) for m in messages or []],
         prompt_token_ids=prompt_token_ids or [], params=sampling, request_id=request_id, model=model,

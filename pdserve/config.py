@@ -102,6 +102,9 @@ class KVTransferConfig:
     # a fetch that times out, breaks, fails a checksum or finds its lease expired:
     # "recompute" = the decode worker prefills the prompt itself; "fail" = the request fails
     on_fault: str = "recompute"
+    # layer-wise streaming: decode starts fetching as soon as the prompt is scheduled, and
+    # each layer's KV goes out as prefill writes it (kv_transfer/progress.py)
+    layerwise: bool = False
     # TLS on the KV channel: the prefill side serves with cert + key (PEM files on every
     # node), the decode side verifies against ca_file; server_name = the name in the
     # certificate when it is not the prefill node's IP. All null = plaintext.
@@ -201,6 +204,8 @@ class ClusterConfig:
         tls = [self.kv_transfer.tls_cert_file, self.kv_transfer.tls_key_file, self.kv_transfer.tls_ca_file]
         if any(tls) and not all(tls):
             raise ConfigError("kv_transfer: set all of tls_cert_file, tls_key_file and tls_ca_file, or none")
+        if not isinstance(self.kv_transfer.layerwise, bool):
+            raise ConfigError(f"kv_transfer.layerwise must be true or false, not {self.kv_transfer.layerwise!r}")
         if self.kv_transfer.chunk_bytes < 1024:
             raise ConfigError("kv_transfer.chunk_bytes must be at least 1024")
         if self.router.proxy_location not in ("EveryNode", "HeadOnly"):

@@ -28,6 +28,11 @@ class KVIncompatibleError(KVTransferError):
         self.field = field
 
 
+class FirstTokenMissingError(KVTransferError):
+    """A layer-wise KV stream broke before prefill's first token arrived, so the decode
+    worker cannot recompute in its place; the router resends the request with the token."""
+
+
 class KVAuthError(KVTransferError):
     """The prefill worker refused the KV channel's shared secret: the pools were deployed
     with different ``security.kv_secret`` (a deployment error, like KVIncompatibleError)."""

@@ -46,16 +46,28 @@ def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
     }
 
 
-def _container(name: str, image: str, cpus: float, gpus: float, ports: list[int] = ()) -> dict[str, Any]:
+def secret_env_names(cfg: ClusterConfig) -> list[str]:
+    """The environment variables the ``security`` secrets are read from ("env:NAME")."""
+    values = (cfg.security.api_key, cfg.security.kv_secret)
+    return sorted({v[4:] for v in values if v and v.startswith("env:")})
+
+
+def _container(name: str, image: str, cpus: float, gpus: float, ports: list[int] = (), env: list[dict] = ()) -> dict[str, Any]:
     limits = {"cpu": str(max(1, int(cpus))), "memory": "8Gi", **({"nvidia.com/gpu": str(int(gpus))} if gpus else {})}
     return {"name": name, "image": image, "resources": {"limits": limits, "requests": dict(limits)},
-            **({"ports": [{"containerPort": p} for p in ports]} if ports else {})}
+            **({"ports": [{"containerPort": p} for p in ports]} if ports else {}), **({"env": list(env)} if env else {})}
 
 
-def kuberay(cfg: ClusterConfig, image: str, ray_version: str) -> dict[str, Any]:
+def kuberay(cfg: ClusterConfig, image: str, ray_version: str, secret_name: str = "pdserve-secrets") -> dict[str, Any]:
     """A KubeRay RayService (apiVersion ray.io/v1): a head group running the router and
-    Ray Serve's proxies, one worker group per pool sized by its autoscaling bounds."""
+    Ray Serve's proxies, one worker group per pool sized by its autoscaling bounds.
+
+    Secrets stay out of the manifest: each "env:NAME" secret becomes the variable NAME in
+    every pod, taken from key NAME of the Kubernetes Secret ``secret_name`` (which the
+    user creates: ``kubectl create secret generic pdserve-secrets --from-literal=NAME=...``).
+    A literal secret in cluster.yaml is carried as is, inside serveConfigV2."""
     raw = pinned(cfg)
+    env = [{"name": n, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": n}}} for n in secret_env_names(cfg)]
     groups = []
     for name in _pools(cfg):
         pool = getattr(cfg, name)
@@ -69,10 +81,10 @@ def kuberay(cfg: ClusterConfig, image: str, ray_version: str) -> dict[str, Any]:
         groups.append({
             "groupName": name, "replicas": bounds.get("min_replicas", 1), "minReplicas": bounds.get("min_replicas", 1),
             "maxReplicas": bounds.get("max_replicas", 1), "rayStartParams": start,
-            "template": {"spec": {"containers": [_container("ray-worker", image, cpus, gpus)]}},
+            "template": {"spec": {"containers": [_container("ray-worker", image, cpus, gpus, env=env)]}},
         })
     head = {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
-            "template": {"spec": {"containers": [_container("ray-head", image, 2, 0, [6379, 8265, cfg.router.http_port, cfg.router.grpc_port])]}}}
+            "template": {"spec": {"containers": [_container("ray-head", image, 2, 0, [6379, 8265, cfg.router.http_port, cfg.router.grpc_port], env)]}}}
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService", "metadata": {"name": "pdserve"},
         "spec": {"serveConfigV2": yaml.safe_dump(serve_config(cfg), sort_keys=False),

@@ -16,6 +16,8 @@ from pdserve.model_loader import load_model, load_tokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
+PREFILL_DEADLINE_S = 300.0  # longest a prompt may wait and run in a prefill worker before the request fails
+
 
 def assigned_num_cpus(default: int = 1) -> int:
     """CPUs Ray gave this actor (>= 1), or ``default`` outside Ray."""

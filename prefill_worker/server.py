@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 from kv_transfer import make_sender
 from kv_transfer.factory import node_id
 from kv_transfer.paged import PagedKVSource
+from kv_transfer.progress import LayerProgress, StreamedKVSource
 from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
 from pdserve.config import ClusterConfig
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
-from pdserve.messages import PrefillRequest, PrefillResult
+from pdserve.messages import PrefillRequest, PrefillResult, PrefillStarted
 from pdserve.metrics import PoolMetrics
-from pdserve.worker import build_engine, rss_bytes
+from pdserve.worker import PREFILL_DEADLINE_S, build_engine, rss_bytes
 
-PREFILL_DEADLINE_S = 300.0  # longest a prompt may wait and run before the request fails
 
 
 def _node_ip() -> str:
@@ -67,6 +68,50 @@ class PrefillServer:
             handle = self.kv_sender.put(request.request_id, source, self.cfg.prefill.kv_lease_s)
         first_logprob = seq.logprobs[-1] if seq.logprobs else None
         return PrefillResult(request.request_id, seq.token_ids[-1], chunk.finish_reason, handle, first_logprob)
+
+    async def prefill_layerwise(self, request: PrefillRequest) -> AsyncIterator[PrefillStarted | PrefillResult]:
+        """Layer-wise hand-off (``kv_transfer.layerwise``): yields PrefillStarted once the prompt
+        is scheduled (its KV leased as it is computed: each layer can be fetched as soon as it
+        is written, kv_transfer/progress.py), then the PrefillResult.
+
+        The blocks stay the engine's until prefill ends, then pass to the lease (``own``).
+        Raises as ``prefill``; on any error or cancel the lease ends and the engine frees them.
+        """
+        request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
+        start, loop, started = time.perf_counter(), asyncio.get_running_loop(), asyncio.Event()
+        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params, stop_after_first_token=True)
+        seq.kv_progress = progress = LayerProgress(self.engine.kv_spec.num_layers, seq.num_prompt_tokens,
+                                                   on_start=lambda: loop.call_soon_threadsafe(started.set))
+        source = StreamedKVSource(self.engine.kv_cache, seq, self.engine.free_blocks, progress)
+        handle = self.kv_sender.put(request.request_id, source, PREFILL_DEADLINE_S + self.pool_cfg.kv_lease_s)
+        output = None
+        try:
+            queue = self.loop.submit(seq)
+            output = asyncio.ensure_future(self.loop.next_output(queue, PREFILL_DEADLINE_S))
+            waiter = asyncio.ensure_future(started.wait())
+            await asyncio.wait([output, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if not output.done():  # scheduled, computing: decode may start fetching
+                yield PrefillStarted(request.request_id, handle)
+            chunk = await output
+        except BaseException:
+            progress.fail("prefill failed or was cancelled")
+            if output is not None:
+                output.cancel()
+            self.kv_sender.release(request.request_id)  # not yet the lease's blocks: nothing freed here ...
+            self.loop.abort(seq)  # ... the engine frees them
+            raise
+        self.num_requests += 1
+        self.ttft.observe(time.perf_counter() - start)
+        if chunk.finish_reason is not None:  # done at the first token: the engine freed the blocks
+            self.kv_sender.release(request.request_id)
+            handle = None
+        elif source.own():  # the blocks are the lease's now; its clock starts as for a finished prefill
+            self.kv_sender.table.renew(request.request_id, self.pool_cfg.kv_lease_s)
+        else:  # decode already gave up on this KV (its lease ended): free the blocks here
+            self.engine.free_blocks(seq.block_table)
+        first_logprob = seq.logprobs[-1] if seq.logprobs else None
+        yield PrefillResult(request.request_id, seq.token_ids[-1], chunk.finish_reason, handle, first_logprob)
 
     async def release(self, transfer_id: str) -> bool:
         """Free a request's KV early (the router calls this when a request is cancelled)."""

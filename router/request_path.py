@@ -8,6 +8,12 @@ what happens when a replica dies on the way.
   from the next token, so the client's stream has no gap and no repeat. Up to
   ``max_retries`` migrations per request.
 
+With ``kv_transfer.layerwise`` the decode call starts as soon as prefill has scheduled
+the prompt (``PrefillStarted``), so decode fetches each layer's KV while later layers
+compute; the path is otherwise the same. A layer-wise stream that breaks before prefill's
+first token reached decode is resent to decode with the token (``FirstTokenMissingError``),
+which recomputes the prompt there, as a migration does.
+
 Every stage has a deadline in the worker that runs it: prefill ``PREFILL_DEADLINE_S``,
 the KV fetch ``kv_transfer.timeout_s``, each decode token ``STEP_DEADLINE_S``.
 """
@@ -17,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from ray.exceptions import RayActorError
 
-from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, TokenChunk
+from pdserve.errors import FirstTokenMissingError
+from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk
 from pdserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,11 +39,13 @@ REPLICA_GONE = (RayActorError,)  # the replica's actor died or cannot be reached
 class RequestPath:
     """``prefill``/``decode``: Ray Serve deployment handles (``prefill`` None in colocated mode)."""
 
-    def __init__(self, prefill, decode, max_retries: int, backoff_s: float):
+    def __init__(self, prefill, decode, max_retries: int, backoff_s: float, layerwise: bool = False):
         self.prefill, self.decode = prefill, decode
         self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.layerwise = layerwise
         self.num_prefill_retries = 0
         self.num_migrations = 0
+        self.num_resent = 0  # layer-wise requests resent to decode with their first token
         self._background: set[asyncio.Future] = set()  # clean-up tasks, held until done (the loop keeps weak refs)
 
     async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
@@ -50,31 +59,40 @@ class RequestPath:
             finally:
                 await items.aclose()  # at once, not at garbage collection: the pool frees the request now
             return
-        first = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
+        early_decode = None  # layer-wise: the decode call, started while prefill runs
+        if self.layerwise and params.max_tokens > 1:
+            first, early_decode = await self._prefill_layerwise(PrefillRequest(request_id, prompt_ids, params))
+        else:
+            first = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
         first_logprobs = [first.first_logprob] if first.first_logprob else None
         if first.finish_reason is not None:  # done after one token: decode never runs
+            if early_decode is not None:
+                early_decode.cancel()
             stopped = first.finish_reason == "stop"  # the stop token is not returned
             yield TokenChunk([] if stopped else [first.first_token], first.finish_reason, None if stopped else first_logprobs)
             return
         finished, items = False, None
         try:
             yield TokenChunk([first.first_token], None, first_logprobs)
-            items = self._decode(DecodeRequest(request_id, prompt_ids, first.first_token, params, first.kv), [first.first_token])
+            items = self._decode(DecodeRequest(request_id, prompt_ids, first.first_token, params, first.kv), [first.first_token], early_decode)
             async for item in items:
                 finished = item.finish_reason is not None
                 yield item
         finally:
             if items is not None:
                 await items.aclose()
+            if items is None and early_decode is not None:  # left before decode was read: stop it
+                early_decode.cancel()
             if not finished:  # cancelled, failed or stopped by a stop string: prefill frees its copy now
                 self._release(first.kv.transfer_id)
 
-    async def _decode(self, request: DecodeRequest, streamed: list[int]) -> AsyncIterator[TokenChunk]:
+    async def _decode(self, request: DecodeRequest, streamed: list[int], call=None) -> AsyncIterator[TokenChunk]:
         """Stream ``request`` from the decode pool; if the replica dies, migrate (see above).
-        ``streamed``: the tokens the client already has (the first one, in disaggregated mode)."""
+        ``streamed``: the tokens the client already has (the first one, in disaggregated mode).
+        ``call``: the decode call already started for it (layer-wise), if any."""
         streamed = list(streamed)
         for migration in range(self.max_retries + 1):
-            stream, finished = self.decode.options(stream=True).generate.remote(request), False
+            stream, call, finished = call or self.decode.options(stream=True).generate.remote(request), None, False
             try:
                 async for item in stream:
                     finished = item.finish_reason is not None
@@ -83,14 +101,19 @@ class RequestPath:
                     if finished:
                         return
                 return
-            except REPLICA_GONE as e:
-                if migration == self.max_retries:
+            except (*REPLICA_GONE, FirstTokenMissingError) as e:
+                if migration == self.max_retries or (isinstance(e, FirstTokenMissingError) and not streamed):
                     raise
-                self.num_migrations += 1
-                log.warning("decode replica lost mid-stream for %s after %d tokens (%s); migrating", request.request_id, len(streamed), type(e).__name__)
+                if isinstance(e, FirstTokenMissingError):
+                    self.num_resent += 1
+                    log.warning("layer-wise KV for %s broke before its first token (%s); resending it with the token", request.request_id, e)
+                else:
+                    self.num_migrations += 1
+                    log.warning("decode replica lost mid-stream for %s after %d tokens (%s); migrating", request.request_id, len(streamed), type(e).__name__)
                 if request.kv is not None:  # it may have died before fetching: free prefill's copy now
                     self._release(request.kv.transfer_id)
-                await asyncio.sleep(self.backoff_s)
+                if not isinstance(e, FirstTokenMissingError):
+                    await asyncio.sleep(self.backoff_s)
                 if streamed:  # go on after what the client has; with nothing yet (colocated), send it again as it was
                     request = DecodeRequest(request.request_id, request.prompt_ids, streamed[0], request.params, None, tuple(streamed[1:]))
             finally:
@@ -113,6 +136,33 @@ class RequestPath:
                 raise
             except REPLICA_GONE as e:
                 if attempt == self.max_retries:
+                    raise
+                self.num_prefill_retries += 1
+                log.warning("prefill replica lost for %s (%s); retrying on another", request.request_id, type(e).__name__)
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def _prefill_layerwise(self, request: PrefillRequest) -> tuple[PrefillResult, Any]:
+        """Prefill with the decode call started as soon as prefill has scheduled the prompt
+        (``PrefillStarted``). Returns (PrefillResult, the decode call or None). A prefill
+        replica that dies is retried as in ``_prefill``, after its decode call is stopped."""
+        for attempt in range(self.max_retries + 1):
+            calls, decode, handle = self.prefill.options(stream=True).prefill_layerwise.remote(request), None, None
+            try:
+                item = await calls.__anext__()
+                if isinstance(item, PrefillStarted):
+                    handle = item.kv
+                    decode = self.decode.options(stream=True).generate.remote(
+                        DecodeRequest(request.request_id, request.prompt_ids, None, request.params, handle))
+                    item = await calls.__anext__()
+                return item, decode
+            except BaseException as e:
+                calls.cancel()
+                if decode is not None:
+                    decode.cancel()
+                if handle is not None:
+                    self._release(handle.transfer_id)
+                if not isinstance(e, REPLICA_GONE) or attempt == self.max_retries:
                     raise
                 self.num_prefill_retries += 1
                 log.warning("prefill replica lost for %s (%s); retrying on another", request.request_id, type(e).__name__)

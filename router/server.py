@@ -79,7 +79,7 @@ class Router:
         r = self.cfg.router
         self.admission = Admission(r.max_in_flight, r.retry_after_s, r.max_request_bytes, self.cfg.security.api_key)
         # prefill: DeploymentHandle of PrefillServer (None in colocated mode); decode: of DecodeServer
-        self.path = RequestPath(prefill, decode, r.max_retries, r.retry_backoff_s)
+        self.path = RequestPath(prefill, decode, r.max_retries, r.retry_backoff_s, self.cfg.kv_transfer.layerwise)
 
     # -- parsing ---------------------------------------------------------------
 
@@ -177,7 +177,8 @@ class Router:
 
     async def stats(self) -> dict[str, int]:
         """Admission, retry and migration counters (for tests and operators, through a deployment handle)."""
-        return {**self.admission.stats(), "num_prefill_retries": self.path.num_prefill_retries, "num_migrations": self.path.num_migrations}
+        return {**self.admission.stats(), "num_prefill_retries": self.path.num_prefill_retries, "num_migrations": self.path.num_migrations,
+                "num_resent": self.path.num_resent}
 
     # -- OpenAI-compatible HTTP -------------------------------------------------
 

@@ -125,6 +125,15 @@ def test_unknown_sampling_parameter_is_refused_client_side():
         Client("127.0.0.1:1").stream("hi", temprature=0.5)
 
 
+def test_a_mistyped_sampling_parameter_is_named_and_one_stop_string_stays_whole():
+    from pdserve.client import build_request
+
+    with pytest.raises(TypeError, match="temperature='hot'"):
+        build_request("hi", temperature="hot")
+    assert list(build_request("hi", stop="abc").params.stop) == ["abc"]
+    assert list(build_request("hi", stop=["a", "bc"]).params.stop) == ["a", "bc"]
+
+
 class Slow(pb_grpc.GeneratorServicer):
     def Generate(self, request, context):
         for i in range(50):

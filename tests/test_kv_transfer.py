@@ -269,7 +269,7 @@ def test_shm_copies_block_to_block_bit_exact(tmp_path, mode, num_tokens):
         blocks = fill_prompt(src, src_mgr, num_tokens)
         handle = sender.put("s1", PagedKVSource(src, blocks, num_tokens, src_mgr.free_blocks), 30)
         dst_blocks = dst_mgr.allocate_blocks(dst_mgr.num_blocks_for(num_tokens))
-        assert asyncio.run(receive_kv(dst, receiver, handle, dst_blocks, num_tokens, 10)) == "shm"
+        assert asyncio.run(receive_kv(dst, receiver, handle, dst_blocks, num_tokens, 10)) == ("shm", None)
         for layer in range(SPEC.num_layers):
             want = src.read(layer, src.slots(blocks, 0, num_tokens))
             got = dst.read(layer, dst.slots(dst_blocks, 0, num_tokens))
@@ -299,7 +299,7 @@ def test_auto_uses_grpc_for_another_node_and_shm_refuses_it(tmp_path):
         with pytest.raises(KVTransferError, match="another node"):
             fetch(shm, handle, SPEC)
         dst_blocks = dst_mgr.allocate_blocks(3)
-        assert asyncio.run(receive_kv(dst, auto, handle, dst_blocks, 9, 10)) == "grpc"
+        assert asyncio.run(receive_kv(dst, auto, handle, dst_blocks, 9, 10)) == ("grpc", None)
         assert torch.equal(dst.read(2, dst.slots(dst_blocks, 0, 9))[1], src.read(2, src.slots(blocks, 0, 9))[1])
     finally:
         auto.close()

@@ -43,3 +43,17 @@ def test_kuberay_manifest_has_a_worker_group_per_pool_offering_its_resource():
 def test_colocated_renders_one_pool_group():
     manifest = kuberay(ClusterConfig.from_dict({"mode": "colocated"}), "img", "2.60.0")
     assert [g["groupName"] for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]] == ["colocated"]
+
+
+def test_env_secrets_come_from_a_kubernetes_secret_not_the_manifest():
+    cfg = ClusterConfig.from_dict({"security": {"api_key": "env:PDSERVE_API_KEY", "kv_secret": "env:PDSERVE_KV_SECRET"}})
+    text = dump(kuberay(cfg, "img", "2.60.0", secret_name="my-secrets"))
+    manifest = yaml.safe_load(text)
+    cluster = manifest["spec"]["rayClusterConfig"]
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]] + [g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]
+    for container in containers:  # the head builds the app (reads api_key), every pod may host a replica
+        assert container["env"] == [
+            {"name": "PDSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "my-secrets", "key": "PDSERVE_API_KEY"}}},
+            {"name": "PDSERVE_KV_SECRET", "valueFrom": {"secretKeyRef": {"name": "my-secrets", "key": "PDSERVE_KV_SECRET"}}},
+        ]
+    assert yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]["security"]["api_key"] == "env:PDSERVE_API_KEY"

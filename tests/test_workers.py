@@ -10,7 +10,7 @@ from conftest import reference_generate
 from decode_worker.server import DecodeServer
 from kv_transfer import shm_backend
 from pdserve.errors import KVIncompatibleError, KVTransferError
-from pdserve.messages import DecodeRequest, PrefillRequest
+from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, PrefillStarted
 from pdserve.model_loader import load_model, load_tokenizer
 from pdserve.sampling import SamplingParams
 from prefill_worker.server import PrefillServer
@@ -138,3 +138,89 @@ def test_seeded_sampling_is_the_same_disaggregated_or_not(workers, reference):
     engine.add(seq)
     run_to_completion(engine)
     assert got == seq.token_ids[len(prompt):] and len(set(got)) > 1
+
+
+# -- layer-wise hand-off (kv_transfer.layerwise) --------------------------------------
+
+async def run_layerwise(prefill: PrefillServer, decode: DecodeServer, prompt: list[int], request_id: str, max_tokens: int = 8):
+    """As the router's layer-wise path: decode is called at PrefillStarted, without the
+    first token, while prefill computes. Returns (tokens, the decode task's exception or None)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    steps = prefill.prefill_layerwise(PrefillRequest(request_id, prompt, params))
+    started = await steps.__anext__()
+    assert isinstance(started, PrefillStarted) and started.kv.num_tokens == len(prompt)
+
+    async def decode_all() -> list[int]:
+        out = []
+        async for chunk in decode.generate(DecodeRequest(request_id, prompt, None, params, started.kv)):
+            out.extend(chunk.token_ids)
+        return out
+
+    decoding = asyncio.ensure_future(decode_all())
+    first = await steps.__anext__()
+    assert isinstance(first, PrefillResult) and first.kv == started.kv
+    await steps.aclose()
+    return [first.first_token, *await decoding]
+
+
+def test_layerwise_hand_off_is_exact_and_overlaps_prefill(workers, reference, monkeypatch):
+    """Decode starts fetching while prefill computes; the answer equals the reference and
+    every block and lease is back at baseline. Over grpc the first KV chunk lands before
+    prefill has finished (shm waits for the end: no overlap)."""
+    import time
+
+    from kv_transfer.paged import PagedKVSink
+
+    backend, prefill, decode = workers
+    prompt, want = reference
+    assert asyncio.run(run_layerwise(prefill, decode, prompt, f"lw-{backend}")) == want
+    p, d = asyncio.run(settle(prefill, decode))
+    assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]
+
+    writes, original = [], PagedKVSink.write
+    monkeypatch.setattr(PagedKVSink, "write", lambda self, *a: (writes.append(time.monotonic()), original(self, *a))[1])
+    long_prompt = (prompt * 100)[:600]
+    finished = []
+    original_finish = prefill.engine.scheduler.finish
+    monkeypatch.setattr(prefill.engine.scheduler, "finish", lambda seq, **kw: (finished.append(time.monotonic()), original_finish(seq, **kw))[1])
+    tokens = asyncio.run(run_layerwise(prefill, decode, long_prompt, f"lw-long-{backend}", max_tokens=2))
+    assert len(tokens) == 2 and finished
+    if backend == "grpc":  # (shm copies block to block without the sink's write)
+        assert writes and writes[0] < finished[0], "no KV arrived before prefill ended"
+    asyncio.run(settle(prefill, decode))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_layerwise_prefill_that_fails_mid_stream_frees_both_sides(workers, reference, policy):
+    """Prefill is cancelled after decode started fetching: decode's fetch stops with a
+    fault; without the first token it cannot recompute, so it asks for a resend
+    (FirstTokenMissingError) or fails (on_fault: fail). Nothing leaks."""
+    from pdserve.errors import FirstTokenMissingError
+
+    backend, prefill, decode = workers
+    prompt, _ = reference
+    decode.cfg.kv_transfer.on_fault = policy
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    long_prompt = (prompt * 100)[:600]
+
+    async def scenario():
+        steps = prefill.prefill_layerwise(PrefillRequest(f"lw-cancel-{policy}-{backend}", long_prompt, params))
+        started = await steps.__anext__()
+
+        async def decode_all():
+            async for _ in decode.generate(DecodeRequest(started.request_id, long_prompt, None, params, started.kv)):
+                pass
+
+        decoding = asyncio.ensure_future(decode_all())
+        await asyncio.sleep(0.05)
+        await steps.aclose()  # as Ray Serve does when the router cancels the prefill call
+        with pytest.raises(FirstTokenMissingError if policy == "recompute" else KVTransferError):
+            await decoding
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        decode.cfg.kv_transfer.on_fault = "recompute"
+    p, d = asyncio.run(settle(prefill, decode))
+    assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"]
+    assert d["num_free_blocks"] == d["num_blocks"] and d["num_running"] == 0

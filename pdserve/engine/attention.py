@@ -41,6 +41,8 @@ class AttentionContext:
     decode_mask: torch.Tensor | None = None  # [num_seqs, max_blocks * block_size] bool, True = attend (SDPA path)
     decode_block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32 (kernel path)
     decode_context_lens: torch.Tensor | None = None  # [num_seqs] int32 (kernel path)
+    # layer-wise streaming: (LayerProgress, tokens written once this step's layer is stored)
+    kv_progress: list[tuple[object, int]] | None = None
 
 
 _context: AttentionContext | None = None
@@ -115,6 +117,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_cache, v_cache = ctx.kv_cache.k[layer], ctx.kv_cache.v[layer]  # [kv_heads, slots, head_dim]
     k_cache.index_copy_(1, ctx.slot_mapping, key[0])
     v_cache.index_copy_(1, ctx.slot_mapping, value[0])
+    if ctx.kv_progress:  # this layer's KV may go out now (kv_transfer/progress.py)
+        for progress, num_tokens in ctx.kv_progress:
+            progress.mark(layer, num_tokens)
 
     if ctx.decode_block_tables is not None:
         return _decode_in_place(query, layer, ctx, scaling)

@@ -126,6 +126,8 @@ class Engine:
                 self.scheduler.finish(seq)
             elif seq.stop_after_first_token:  # prefill: the KV goes to decode
                 self.scheduler.finish(seq, free_blocks=False)
+                if seq.kv_progress is not None:  # layer-wise: the stream's last message can go now
+                    seq.kv_progress.finish(token)
             outputs.append(seq)
         self.busy_s += time.perf_counter() - start
         return outputs

@@ -38,6 +38,8 @@ class PagedModelRunner:
             query_starts.append(query_starts[-1] + num_new)
             context_lens.append(end)
         ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots)
+        ctx.kv_progress = [(seq.kv_progress, min(seq.num_computed_tokens + n, seq.num_prompt_tokens))
+                           for seq, n in batch if seq.kv_progress is not None] or None
         if decode_only:
             bs = self.kv_cache.block_size
             max_blocks = max(-(-n // bs) for n in context_lens)

@@ -75,7 +75,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it goes back to the head of the queue to recompute."""
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq, "preempted (the prompt is recomputed later)")
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -89,4 +89,9 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         if free_blocks:
-            self.block_manager.free(seq)
+            self._free(seq, "the request ended or was aborted")
+
+    def _free(self, seq: Sequence, reason: str) -> None:
+        if seq.kv_progress is not None:  # KV being streamed out: stop its readers first
+            seq.kv_progress.fail(reason)
+        self.block_manager.free(seq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 from pdserve.sampling import SamplingParams, TokenLogprob
 
@@ -29,6 +30,9 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when params.logprobs is set
+    # layer-wise streaming (kv_transfer/progress.py LayerProgress): told as each layer's KV is
+    # written, and before the blocks are freed under a reader
+    kv_progress: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -47,18 +47,22 @@ class DescribeKVRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class DescribeKVResponse(_message.Message):
-    __slots__ = ("shm_path", "pool_num_blocks", "block_ids", "num_tokens", "block_size")
+    __slots__ = ("shm_path", "pool_num_blocks", "block_ids", "num_tokens", "block_size", "layerwise", "first_token")
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     shm_path: str
     pool_num_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     block_size: int
-    def __init__(self, shm_path: _Optional[str] = ..., pool_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    layerwise: bool
+    first_token: int
+    def __init__(self, shm_path: _Optional[str] = ..., pool_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., layerwise: _Optional[bool] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
     __slots__ = ("transfer_id",)
@@ -67,7 +71,7 @@ class FetchKVRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("transfer_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "num_tokens", "num_chunks", "block_size")
+    __slots__ = ("transfer_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "num_tokens", "num_chunks", "block_size", "layerwise")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +80,7 @@ class KVHeader(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYERWISE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dtype: str
     num_layers: int
@@ -84,7 +89,14 @@ class KVHeader(_message.Message):
     num_tokens: int
     num_chunks: int
     block_size: int
-    def __init__(self, transfer_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    layerwise: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., block_size: _Optional[int] = ..., layerwise: _Optional[bool] = ...) -> None: ...
+
+class KVTrailer(_message.Message):
+    __slots__ = ("first_token",)
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    def __init__(self, first_token: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer", "start_token", "num_tokens", "key", "value", "xxh3")
@@ -103,12 +115,14 @@ class KVChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
 
 class FetchKVResponse(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
     chunk: KVChunk
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ...) -> None: ...
+    trailer: KVTrailer
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("transfer_id", "layer_checksums")

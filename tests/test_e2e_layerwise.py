@@ -1,0 +1,72 @@
+"""End to end with ``kv_transfer.layerwise: true`` on a real Ray Serve cluster (real model,
+float32): decode is called as soon as prefill has scheduled the prompt and fetches each
+layer as it is written; greedy output still equals ``model.generate``, and clients that
+leave at any moment leave nothing held."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import reference_generate, serve_cluster
+from test_e2e import pool_stats, reference, strip_eos, text_prompt  # noqa: F401 - reference is a fixture
+
+pytestmark = pytest.mark.e2e
+GRPC_PORT, HTTP_PORT = 9180, 8180
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT},
+              "kv_transfer": {"backend": "grpc", "layerwise": True}}
+    yield from serve_cluster(config)
+
+
+def wait_until_idle(timeout_s: float) -> tuple[dict, dict]:
+    """(prefill, decode) stats once both hold and run nothing, or at the deadline. (A
+    layer-wise lease can end while its prompt still computes: prefill's blocks count too.)"""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        prefill, decode = pool_stats("prefill"), pool_stats("decode")
+        if time.monotonic() > deadline or all(
+                s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_used_blocks"] == 0 for s in (prefill, decode)) and prefill["num_held"] == 0:
+            return prefill, decode
+        time.sleep(0.25)
+
+
+def router_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("router", app_name="pdserve").stats.remote().result()
+
+
+def test_layerwise_greedy_equals_reference_alone_and_concurrently(cluster, reference):
+    model, tokenizer = reference
+    prompts = [text_prompt(tokenizer, n) for n in (15, 300, 40, 120, 7, 64)]
+    wants = [strip_eos(reference_generate(model, p, 12), tokenizer.eos_token_id)[0] for p in prompts]
+    assert cluster.generate(prompt_token_ids=prompts[1], max_tokens=12).token_ids == wants[1]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: cluster.generate(prompt_token_ids=p, max_tokens=12).token_ids, prompts))
+    assert got == wants
+    assert cluster.generate(prompt_token_ids=prompts[0], max_tokens=1).token_ids == wants[0][:1]  # prefill alone
+    prefill, decode = wait_until_idle(30)
+    assert decode["kv_num_fetched_grpc"] >= len(prompts) + 1 and decode["num_kv_faults"] == 0
+    assert router_stats()["num_resent"] == 0
+
+
+def test_layerwise_clients_that_leave_during_prefill_or_the_fetch_free_everything(cluster, reference):
+    _, tokenizer = reference
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8):
+        call = cluster.stream(prompt_token_ids=text_prompt(tokenizer, 400), max_tokens=32)
+        reader = threading.Thread(target=lambda: list(call))
+        reader.start()
+        time.sleep(delay)
+        call.cancel()
+        reader.join(30)
+        assert not reader.is_alive()
+    prefill, decode = wait_until_idle(60)
+    assert prefill["num_held"] == 0 and prefill["num_used_blocks"] == 0
+    assert decode["num_running"] == 0 and decode["num_waiting"] == 0 and decode["num_used_blocks"] == 0
