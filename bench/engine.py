@@ -42,12 +42,17 @@ def prefill_flops(model, num_tokens: int) -> float:
     return 2 * layer_params * num_tokens + attention + 2 * embedding
 
 
+DEVICE = "cpu"  # --device: where the model, its KV and the baseline run
+
+
 def _timed(fn, repeats: int) -> float:
     fn()
+    hardware.sync(DEVICE)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        hardware.sync(DEVICE)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]  # median
 
@@ -79,8 +84,8 @@ def hf_decode_step(model, batch: int, context: int, repeats: int) -> float:
             cache.update(kv[layer][0], kv[layer][1], layer)
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
 
-    kv = [(torch.randn(shape).to(model.dtype), torch.randn(shape).to(model.dtype)) for _ in range(spec_layers)]
-    ids = torch.randint(100, 40000, (batch, 1))
+    kv = [(torch.randn(shape, device=DEVICE).to(model.dtype), torch.randn(shape, device=DEVICE).to(model.dtype)) for _ in range(spec_layers)]
+    ids = torch.randint(100, 40000, (batch, 1), device=DEVICE)
     # the cache rebuild is excluded: time it alone and subtract
     rebuild = _timed(lambda: [DynamicCache(config=model.config).update(kv[0][0], kv[0][1], 0) for _ in range(spec_layers)], repeats)
     with torch.inference_mode():
@@ -99,7 +104,7 @@ def pdserve_prefill(engine: Engine, num_tokens: int, repeats: int) -> float:
 
 
 def hf_prefill(model, num_tokens: int, repeats: int) -> float:
-    ids = torch.randint(100, 40000, (1, num_tokens))
+    ids = torch.randint(100, 40000, (1, num_tokens), device=DEVICE)
     with torch.inference_mode():
         return _timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), repeats)
 
@@ -113,15 +118,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prompt-lengths", default="128,256,512,1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (then the hardware limits are the GPU's: HBM read, matmul)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
 
-    hw = hardware.measure()
-    model = load_model(resolve_model_dir(args.model), args.dtype)
-    reference = load_model(resolve_model_dir(args.model), args.dtype)  # plain HF (sdpa), never repatched
+    hw = hardware.measure(args.device)
+    model = load_model(resolve_model_dir(args.model), args.dtype, args.device)
+    reference = load_model(resolve_model_dir(args.model), args.dtype, args.device)  # plain HF (sdpa), never repatched
     blocks_per_seq = -(-(args.context + args.repeats + 2) // 16)
     num_blocks = max(max(batches) * blocks_per_seq, -(-max(lengths) // 16)) + 8
     config = EngineConfig(num_blocks=num_blocks, max_num_seqs=max(batches), enable_prefix_caching=False)

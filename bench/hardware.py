@@ -1,4 +1,5 @@
-"""Hardware limits measured in the same run as the benchmarks, at the worker's thread count."""
+"""Hardware limits measured in the same run as the benchmarks, at the worker's thread count
+(or on a CUDA device: HBM read bandwidth, device memcpy, tensor-core matmul)."""
 
 from __future__ import annotations
 
@@ -7,40 +8,50 @@ import time
 import torch
 
 
-def _best_of(fn, repeats: int) -> float:
+def sync(device: str = "cpu") -> None:
+    """Wait for queued GPU work (timings on a CUDA device end here); no-op on the CPU."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _best_of(fn, repeats: int, device: str = "cpu") -> float:
     fn()  # warm up
+    sync(device)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def memory_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+def memory_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s of a streaming read (``sum`` over a ``num_bytes`` float32 tensor, far larger than cache)."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return num_bytes / _best_of(lambda: x.sum(), repeats)
+    x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    return num_bytes / _best_of(lambda: x.sum(), repeats, device)
 
 
-def memcpy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
+def memcpy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s copied (read + write counted once, as memcpy figures usually are)."""
-    src = torch.ones(num_bytes, dtype=torch.uint8)
+    src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return num_bytes / _best_of(lambda: dst.copy_(src), repeats)
+    return num_bytes / _best_of(lambda: dst.copy_(src), repeats, device)
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) in ``dtype``."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _best_of(lambda: a @ b, repeats)
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
+    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) in ``dtype`` (n = 8192 on a GPU, to fill it)."""
+    n = 8192 if str(device).startswith("cuda") else n
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / _best_of(lambda: a @ b, repeats, device)
 
 
-def measure() -> dict[str, float]:
+def measure(device: str = "cpu") -> dict[str, float]:
     return {
+        "device": str(device),
         "num_threads": torch.get_num_threads(),
-        "mem_read_bytes_per_s": memory_read_bandwidth(),
-        "memcpy_bytes_per_s": memcpy_bandwidth(),
-        "matmul_fp32_flops": matmul_flops(torch.float32),
-        "matmul_bf16_flops": matmul_flops(torch.bfloat16),
+        "mem_read_bytes_per_s": memory_read_bandwidth(device=device),
+        "memcpy_bytes_per_s": memcpy_bandwidth(device=device),
+        "matmul_fp32_flops": matmul_flops(torch.float32, device=device),
+        "matmul_bf16_flops": matmul_flops(torch.bfloat16, device=device),
     }

@@ -37,6 +37,7 @@ class KVHandle:
     node_id: str = ""  # the sender's node; shm needs the receiver on the same one
     shm_path: str = ""  # the sender's shared-memory KV pool, where it offers shm
     instance_id: str = ""  # the sender process; a restart changes it (new handshake)
+    cuda_ipc: bool = False  # the sender's pool is on a GPU and exportable over CUDA IPC
 
 
 class KVSource(ABC):

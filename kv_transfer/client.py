@@ -1,9 +1,11 @@
 """KVClient: the decode side of every network backend (a KVReceiver).
 
 For each handle it (1) handshakes once per sender instance and refuses an incompatible
-fingerprint, (2) picks the transport: ``shm`` when the sender offers its pool file on this
-node (backend ``shm`` or ``auto``), else the ``grpc`` stream, (3) moves and checks the KV,
-(4) acknowledges with ReleaseKV, which must find the lease still held.
+fingerprint, (2) picks the transport: ``cuda_ipc`` when the sender offers its GPU pool on
+this node and this worker's pool is on a GPU too (backend ``cuda_ipc`` or ``auto``),
+``shm`` when the sender offers its pool file on this node (``shm`` or ``auto``), else the
+``grpc`` stream, (3) moves and checks the KV, (4) acknowledges with ReleaseKV, which must
+find the lease still held.
 """
 
 from __future__ import annotations
@@ -21,20 +23,22 @@ from kv_transfer.fingerprint import KVFingerprint
 from kv_transfer.malloc import keep_large_allocations
 from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, receive_stream
 from kv_transfer.server import fingerprint_to_proto
+from kv_transfer.cuda_ipc_backend import CudaIpcReader
 from kv_transfer.shm_backend import ShmReader
 from pdserve.errors import KVAuthError, KVNotFoundError, KVTransferError
 from pdserve.rpc import kv_pb2, kv_pb2_grpc
 
 
 class KVClient(KVReceiver):
-    """``mode``: "grpc" (always stream), "shm" (same node only) or "auto" (shm where it can).
+    """``mode``: "grpc" (always stream), "shm" or "cuda_ipc" (same node only) or "auto"
+    (cuda_ipc, else shm, where it can).
     ``secret``: sent as metadata on every KV call (security.kv_secret). ``tls_ca_file``:
     connect with TLS, verifying the server against this CA (``tls_server_name``: the name in
     its certificate, if not the address's host)."""
 
     def __init__(self, mode: str = "grpc", fingerprint: KVFingerprint | None = None, node_id: str = "", secret: str | None = None,
                  tls_ca_file: str | None = None, tls_server_name: str | None = None):
-        if mode not in ("grpc", "shm", "auto"):
+        if mode not in ("grpc", "shm", "cuda_ipc", "auto"):
             raise ValueError(f"unknown KV receive mode {mode!r}")
         keep_large_allocations()
         self.mode = mode
@@ -47,6 +51,7 @@ class KVClient(KVReceiver):
         self._verified: set[tuple[str, str]] = set()  # (address, instance_id) with a matching fingerprint
         self._lock = threading.Lock()
         self._shm = ShmReader()
+        self._cuda = CudaIpcReader()
         self._stats: dict[str, float] = {"num_fetched": 0, "bytes_fetched": 0, "fetch_seconds": 0.0}
 
     def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
@@ -73,17 +78,18 @@ class KVClient(KVReceiver):
         with self._lock:
             self._verified.add((handle.address, reply.instance_id))
 
-    def transport_for(self, handle: KVHandle) -> str:
-        """"shm" or "grpc" for this handle. Raises KVTransferError if shm is required but impossible."""
-        same_node = bool(handle.shm_path) and handle.node_id == self.node_id
-        if self.mode == "grpc" or (self.mode == "auto" and not same_node):
-            return "grpc"
-        if not same_node:
-            raise KVTransferError(
-                f"kv_transfer.backend is shm but the prefill worker at {handle.address} "
-                f"({'another node' if handle.node_id != self.node_id else 'no shared-memory pool'}) cannot share memory with this one"
-            )
-        return "shm"
+    def transport_for(self, handle: KVHandle, device: str = "cpu") -> str:
+        """"cuda_ipc", "shm" or "grpc" for this handle and a receiving pool on ``device``
+        ("cpu" or "cuda"). Raises KVTransferError if shm or cuda_ipc is required but impossible."""
+        node = handle.node_id == self.node_id
+        cuda = node and handle.cuda_ipc and device == "cuda"
+        shm = node and bool(handle.shm_path) and device == "cpu"
+        if self.mode == "auto":
+            return "cuda_ipc" if cuda else "shm" if shm else "grpc"
+        if self.mode == "grpc" or (self.mode == "cuda_ipc" and cuda) or (self.mode == "shm" and shm):
+            return self.mode
+        why = "another node" if not node else f"no {'GPU' if self.mode == 'cuda_ipc' else 'shared-memory'} pool on both sides"
+        raise KVTransferError(f"kv_transfer.backend is {self.mode} but the prefill worker at {handle.address} ({why}) cannot share memory with this one")
 
     def fetch(self, handle: KVHandle, sink: KVSink, timeout_s: float, cancel: threading.Event | None = None) -> str:
         deadline = time.monotonic() + timeout_s
@@ -92,9 +98,15 @@ class KVClient(KVReceiver):
         start = time.perf_counter()
         try:
             self._handshake(handle, stub, left())
-            transport = self.transport_for(handle)
+            paged = getattr(sink, "kv_cache", None)
+            transport = self.transport_for(handle, paged.device.type if paged is not None else "cpu")
             sums: list[int] = []
-            if transport == "shm":
+            if transport == "cuda_ipc":
+                desc = stub.DescribeKV(kv_pb2.DescribeKVRequest(transfer_id=handle.transfer_id), timeout=left())
+                nbytes, sums = self._cuda.copy(desc, (handle.address, handle.instance_id), sink, cancel)
+                if desc.layerwise:
+                    sink.first_token = desc.first_token
+            elif transport == "shm":
                 desc = stub.DescribeKV(kv_pb2.DescribeKVRequest(transfer_id=handle.transfer_id), timeout=left())
                 nbytes, sums = self._shm.copy(desc, sink, cancel)
                 if desc.layerwise:  # leased while prefill ran: DescribeKV answered once it ended
@@ -113,7 +125,7 @@ class KVClient(KVReceiver):
             if not ack.released:
                 raise KVNotFoundError(f"the lease on KV {handle.transfer_id!r} ended before it was acknowledged; what was read may be stale")
             if sums and ack.mismatched_layer >= 0:
-                raise KVTransferError(f"KV layer {ack.mismatched_layer} failed its checksum after the shm copy")
+                raise KVTransferError(f"KV layer {ack.mismatched_layer} failed its checksum after the {transport} copy")
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise KVNotFoundError(e.details()) from None

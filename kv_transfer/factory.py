@@ -3,8 +3,11 @@
 - ``grpc``: KV streamed over gRPC; works between any two nodes.
 - ``shm``: the prefill pool lives in a shared-memory file and decode copies blocks out
   of it; both workers must be on one node.
-- ``auto``: the prefill side offers both; each decode worker uses shm for a sender on its
-  own node and grpc otherwise. (``cuda_ipc`` is not built yet: no GPU to test it on.)
+- ``cuda_ipc``: the prefill pool is GPU memory exported over CUDA IPC and decode copies
+  blocks device to device; both workers on GPUs of one node (kv_transfer/cuda_ipc_backend.py).
+- ``auto``: the prefill side offers what its device allows (shm on CPU, cuda_ipc on a GPU
+  with cupy) and grpc; each decode worker uses the same-node transport for a sender on its
+  own node and grpc otherwise.
 - ``loopback``: in one process (tests); not a cluster setting.
 """
 
@@ -86,17 +89,18 @@ def shm_pool_path(cfg: KVTransferConfig, pool_bytes: int) -> str | None:
 
 
 def make_sender(cfg: KVTransferConfig, node_ip: str, *, fingerprint: KVFingerprint | None = None,
-                block_size: int = 0, shm_path: str | None = None, secret: str | None = None) -> KVSender:
-    """Raises ValueError for an unknown backend."""
+                block_size: int = 0, shm_path: str | None = None, cuda_ipc: bool = False, secret: str | None = None) -> KVSender:
+    """``cuda_ipc``: the sender's GPU pool is exportable (PagedKVCache.ipc_handles). Raises
+    ValueError for an unknown backend."""
     if cfg.backend == "loopback":
         from kv_transfer.loopback import LoopbackKVSender
 
         return LoopbackKVSender(fingerprint)
-    if cfg.backend in ("grpc", "shm", "auto"):
+    if cfg.backend in ("grpc", "shm", "cuda_ipc", "auto"):
         from kv_transfer.server import KVServer
 
         return KVServer(cfg.bind_host or node_ip, cfg.chunk_bytes, backend=cfg.backend, fingerprint=fingerprint,
-                        block_size=block_size, shm_path=shm_path, node_id=node_id(), secret=secret,
+                        block_size=block_size, shm_path=shm_path, cuda_ipc=cuda_ipc, node_id=node_id(), secret=secret,
                         tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file)
     raise ValueError(f"unknown KV transfer backend {cfg.backend!r}")
 
@@ -107,7 +111,7 @@ def make_receiver(cfg: KVTransferConfig, *, fingerprint: KVFingerprint | None = 
         from kv_transfer.loopback import LoopbackKVReceiver
 
         return LoopbackKVReceiver(fingerprint)
-    if cfg.backend in ("grpc", "shm", "auto"):
+    if cfg.backend in ("grpc", "shm", "cuda_ipc", "auto"):
         from kv_transfer.client import KVClient
 
         return KVClient(cfg.backend, fingerprint, node_id(), secret, cfg.tls_ca_file, cfg.tls_server_name)

@@ -32,8 +32,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 def _buffer(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes, without a copy (it must stay alive while the view is used)."""
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+    """The tensor's bytes, without a copy on the CPU (it must stay alive while the view is
+    used); a GPU tensor is copied to the CPU first."""
+    return memoryview(t.cpu().contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 def payload_checksum(key, value) -> int:

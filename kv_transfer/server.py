@@ -22,7 +22,7 @@ from concurrent import futures
 
 import grpc
 
-from kv_transfer import shm_backend, wire
+from kv_transfer import cuda_ipc_backend, shm_backend, wire
 from kv_transfer.security import SecretCheck, secure_port
 from kv_transfer.base import KVHandle, KVSender, KVSource
 from kv_transfer.faults import FaultInjector
@@ -76,8 +76,9 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
     def DescribeKV(self, request, context):
         source = self._held(request.transfer_id, context)
         kv_cache = getattr(source, "kv_cache", None)
-        if kv_cache is None or kv_cache.shm_path is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill worker's KV pool is not in shared memory")
+        if kv_cache is None or (kv_cache.shm_path is None and kv_cache.ipc_handles is None):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill worker's KV pool is neither in shared memory nor exportable over CUDA IPC")
+        backend = shm_backend if kv_cache.shm_path is not None else cuda_ipc_backend
         if self._injected_stall_then_break():
             context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: connection broken mid-transfer")
         first_token = 0
@@ -86,15 +87,16 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
                 first_token = source.wait_first_token(_deadline(context), context.is_active)
             except KVNotReadyError as e:
                 context.abort(grpc.StatusCode.ABORTED, str(e))
-        block_ids = shm_backend.block_ids(kv_cache, source.block_table, source.num_tokens)
+        block_ids = backend.block_ids(kv_cache, source.block_table, source.num_tokens)
         # checksum our blocks while the receiver copies them (the C call releases the GIL); ReleaseKV compares
         for tid in [t for t in self.s.checksums if self.s.table.get(t) is None]:  # leases that ended unacknowledged
             self.s.checksums.pop(tid, None)
         corrupt = self.s.faults.take("corrupt")
         self.s.checksums[request.transfer_id] = self.s.checksum_pool.submit(
-            lambda: [x ^ (corrupt and i == 0) for i, x in enumerate(shm_backend.checksums(kv_cache, block_ids))])
+            lambda: [x ^ (corrupt and i == 0) for i, x in enumerate(backend.checksums(kv_cache, block_ids))])
+        k_handle, v_handle = kv_cache.ipc_handles or (b"", b"")
         return kv_pb2.DescribeKVResponse(
-            shm_path=kv_cache.shm_path, pool_num_blocks=kv_cache.num_blocks, block_ids=block_ids,
+            shm_path=kv_cache.shm_path or "", cuda_ipc_k=k_handle, cuda_ipc_v=v_handle, pool_num_blocks=kv_cache.num_blocks, block_ids=block_ids,
             num_tokens=source.num_tokens, block_size=kv_cache.block_size,
             layerwise=getattr(source, "streamed", False), first_token=first_token,
         )
@@ -136,13 +138,16 @@ class KVServer(KVSender):
     """Serves held KV on ``bind_host`` at a free port (``self.address``).
 
     ``shm_path``: the sender's pool file when it offers shm (its PagedKVCache was made
-    with one). ``fingerprint``: this worker's KVFingerprint (None only in tests of raw
+    with one); ``cuda_ipc``: whether it offers its GPU pool over CUDA IPC (made with
+    ``cuda_ipc=True``). ``max_workers``: KV calls served at once (a layer-wise FetchKV
+    holds one for the length of its prompt's prefill). ``fingerprint``: this worker's KVFingerprint (None only in tests of raw
     transfers). ``secret``: every call must carry it (security.kv_secret). ``tls_cert_file``,
     ``tls_key_file``: PEM files to serve TLS with. ``faults``: the FaultInjector tests arm.
     """
 
     def __init__(self, bind_host: str, chunk_bytes: int = 1 << 20, *, backend: str = "grpc", fingerprint: KVFingerprint | None = None,
-                 block_size: int = 0, shm_path: str | None = None, node_id: str = "", max_workers: int = 128, secret: str | None = None,
+                 block_size: int = 0, shm_path: str | None = None, cuda_ipc: bool = False, node_id: str = "", max_workers: int = 128,
+                 secret: str | None = None,
                  tls_cert_file: str | None = None, tls_key_file: str | None = None):
         keep_large_allocations()
         self.table = LeaseTable()
@@ -151,6 +156,7 @@ class KVServer(KVSender):
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.shm_path = shm_path
+        self.cuda_ipc = cuda_ipc
         self.node_id = node_id
         self.instance_id = uuid.uuid4().hex
         self.faults = FaultInjector()
@@ -172,7 +178,8 @@ class KVServer(KVSender):
         if self.faults.take("expire"):
             lease_s = 0.0
         self.table.hold(transfer_id, source, lease_s)
-        return KVHandle(self.backend, self.address, transfer_id, source.num_tokens, self.node_id, self.shm_path or "", self.instance_id)
+        return KVHandle(self.backend, self.address, transfer_id, source.num_tokens, self.node_id, self.shm_path or "", self.instance_id,
+                        self.cuda_ipc)
 
     def close(self) -> None:
         self._server.stop(grace=None)

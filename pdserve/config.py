@@ -26,6 +26,9 @@ class ModelConfig:
     path: str = "smollm2"
     dtype: str = "bfloat16"
     max_model_len: int | None = None  # tokens; None = the model's context
+    # where each worker runs its model and KV pool: "auto" = the GPU Ray gave the replica
+    # (ray_actor_options.num_gpus >= 1), else the CPU; "cpu"; "cuda"
+    device: str = "auto"
 
 
 @dataclass
@@ -89,7 +92,7 @@ class PoolConfig:
     decode_kernel: bool = False  # C paged decode attention over blocks in place (faster; see engine.py)
 
 
-KV_BACKENDS = ("grpc", "shm", "auto")
+KV_BACKENDS = ("grpc", "shm", "cuda_ipc", "auto")
 FAULT_POLICIES = ("recompute", "fail")
 
 
@@ -194,9 +197,10 @@ class ClusterConfig:
             raise ConfigError(f"mode must be disaggregated or colocated, not {self.mode!r}")
         if self.model.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
+        if self.model.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"model.device must be auto, cpu or cuda, not {self.model.device!r}")
         if self.kv_transfer.backend not in KV_BACKENDS:
-            hint = " (cuda_ipc is not built yet)" if self.kv_transfer.backend == "cuda_ipc" else ""
-            raise ConfigError(f"kv_transfer.backend must be one of {', '.join(KV_BACKENDS)}, not {self.kv_transfer.backend!r}{hint}")
+            raise ConfigError(f"kv_transfer.backend must be one of {', '.join(KV_BACKENDS)}, not {self.kv_transfer.backend!r}")
         if self.kv_transfer.on_fault not in FAULT_POLICIES:
             raise ConfigError(f"kv_transfer.on_fault must be recompute or fail, not {self.kv_transfer.on_fault!r}")
         if not self.kv_transfer.timeout_s > 0:

@@ -67,26 +67,55 @@ def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str) 
     )
 
 
-def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerprint]:
-    """Set torch threads to this actor's CPUs, load the model and build its Engine.
+def worker_device(cfg: ClusterConfig) -> str:
+    """"cuda" or "cpu" for this worker (``model.device``; "auto" = cuda when Ray gave this
+    actor a GPU). Raises ConfigError for "cuda" without a visible CUDA device."""
+    if cfg.model.device == "cpu":
+        return "cpu"
+    try:
+        import ray
 
-    A prefill worker whose KV backend offers shm gets its KV pool in a shared-memory file.
+        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    except Exception:  # noqa: BLE001 - not inside a Ray worker
+        gpu_ids = []
+    if cfg.model.device == "auto" and not gpu_ids:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ConfigError("model.device is cuda but this worker sees no CUDA device (give the pool ray_actor_options.num_gpus: 1)")
+    return "cuda"
+
+
+def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerprint]:
+    """Set torch threads to this actor's CPUs, load the model on its device and build its Engine.
+
+    A prefill worker whose KV backend offers shm (on CPU) gets its KV pool in a
+    shared-memory file; one that offers cuda_ipc (on a GPU), a pool it can export.
     Returns the engine and this worker's KV fingerprint. Raises ConfigError.
     """
     num_threads = assigned_num_cpus()
     torch.set_num_threads(num_threads)
+    device = worker_device(cfg)
     model_dir = resolve_model_dir(cfg.model.path)
-    model = load_model(model_dir, cfg.model.dtype)
+    model = load_model(model_dir, cfg.model.dtype, device)
     tokenizer = load_tokenizer(model_dir)
     max_len = max_model_len(cfg, model.config)
     spec = KVSpec.from_model_config(model.config, model.dtype)
     config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name)
     fingerprint = KVFingerprint.of(model, tokenizer, cfg.model.path, config.block_size)
-    shm_path = None
-    if pool_name == "prefill":
+    shm_path, cuda_ipc = None, False
+    if cfg.kv_transfer.backend == "cuda_ipc" and device != "cuda":
+        raise ConfigError("kv_transfer.backend cuda_ipc needs both pools on GPUs (model.device, ray_actor_options.num_gpus)")
+    if pool_name == "prefill" and device == "cuda" and cfg.kv_transfer.backend in ("cuda_ipc", "auto"):
+        from kv_transfer import cuda_ipc_backend
+
+        cuda_ipc = cuda_ipc_backend.available()
+        if not cuda_ipc and cfg.kv_transfer.backend == "cuda_ipc":
+            raise ConfigError("kv_transfer.backend cuda_ipc needs cupy: pip install 'pdserve[gpu]'")
+    if pool_name == "prefill" and device == "cpu":
         try:
             shm_path = shm_pool_path(cfg.kv_transfer, config.num_blocks * config.block_size * spec.bytes_per_token)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    log.info("%s: %s (%s), %d torch threads, %s, KV pool in %s", pool_name, model_dir, cfg.model.dtype, num_threads, config, shm_path or "private memory")
-    return Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_shm_path=shm_path), fingerprint
+    where = shm_path or ("exportable GPU memory (cuda_ipc)" if cuda_ipc else f"private {device} memory")
+    log.info("%s: %s (%s) on %s, %d torch threads, %s, KV pool in %s", pool_name, model_dir, cfg.model.dtype, device, num_threads, config, where)
+    return Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_shm_path=shm_path, kv_cuda_ipc=cuda_ipc), fingerprint

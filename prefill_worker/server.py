@@ -42,6 +42,7 @@ class PrefillServer:
         self.loop = EngineLoop(self.engine)
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or _node_ip(), fingerprint=fingerprint,
                                      block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path,
+                                     cuda_ipc=self.engine.kv_cache.ipc_handles is not None,
                                      secret=self.cfg.security.kv_secret)
         self.num_requests = 0
         self.ttft = LatencyWindow()  # seconds from arrival to first token, for autoscaling on TTFT

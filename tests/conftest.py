@@ -34,7 +34,7 @@ def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, ignore
     """
     from transformers import GenerationConfig
 
-    input_ids = torch.tensor([prompt_ids])
+    input_ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
     config = GenerationConfig(
         do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=model.config.pad_token_id,
         eos_token_id=[] if ignore_eos else model.generation_config.eos_token_id,
@@ -64,6 +64,8 @@ def serve_cluster(config: dict, api_key: str | None = None, **ray_init):
     from pdserve.deploy import deploy
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():  # e.g. started implicitly by a worker class's metrics in an earlier test
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **ray_init)
     cfg = ClusterConfig.from_dict(config)
     deploy(cfg)

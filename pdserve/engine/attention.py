@@ -138,7 +138,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             mask, is_causal = None, num_new > 1
         else:  # a chunk after cached tokens: query i sees context positions <= offset + i
             offset = num_ctx - num_new
-            mask = (torch.arange(num_new)[:, None] + offset >= torch.arange(num_ctx)[None, :]).view(1, 1, num_new, num_ctx)
+            rows, cols = torch.arange(num_new, device=q.device), torch.arange(num_ctx, device=q.device)
+            mask = (rows[:, None] + offset >= cols[None, :]).view(1, 1, num_new, num_ctx)
             is_causal = False
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=is_causal)
         outs.append(out)  # [1, num_new, heads, head_dim]

@@ -42,13 +42,17 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int, kv_shm_path: str | None = None):
-        """``kv_shm_path``: put the KV pool in this shared-memory file (the shm transfer backend)."""
+    def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int, kv_shm_path: str | None = None,
+                 kv_cuda_ipc: bool = False):
+        """The engine runs where ``model`` is (CPU or a CUDA device). ``kv_shm_path``: put the
+        KV pool in this shared-memory file (the shm transfer backend); ``kv_cuda_ipc``: make
+        the (GPU) pool exportable over CUDA IPC (the cuda_ipc backend)."""
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.kv_spec = KVSpec.from_model_config(model.config, model.dtype)
-        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device, kv_shm_path)
+        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device, kv_shm_path,
+                                     cuda_ipc=kv_cuda_ipc)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
         if config.optimize and can_pack(model):

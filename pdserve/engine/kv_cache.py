@@ -10,6 +10,8 @@ flattened into token slots; slot ``b * block_size + i`` is token ``i`` of block 
 
 With ``shm_path`` the pool lives in a shared-memory file (k then v), so a decode
 worker on the same node can copy blocks straight out of it (kv_transfer/shm_backend.py).
+On a GPU (``device`` "cuda") with ``cuda_ipc`` the pool is one cudaMalloc allocation per
+k and v, so a decode worker on the same node can map it (kv_transfer/cuda_ipc_backend.py).
 """
 
 from __future__ import annotations
@@ -23,18 +25,27 @@ from pdserve.kv_layout import KVSpec
 
 
 class PagedKVCache:
-    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: str | torch.device = "cpu", shm_path: str | None = None):
-        """Raises OSError if ``shm_path`` cannot be created at the pool's size."""
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: str | torch.device = "cpu", shm_path: str | None = None,
+                 cuda_ipc: bool = False):
+        """Raises OSError if ``shm_path`` cannot be created at the pool's size, ImportError
+        if ``cuda_ipc`` is asked without cupy (the ``gpu`` extra)."""
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.shm_path = shm_path
+        self.device = torch.device(device)
+        self.ipc_handles: tuple[bytes, bytes] | None = None  # CUDA IPC handles of k and v (cuda_ipc)
         shape = (spec.num_layers, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
-        if shm_path is None:
+        if shm_path is not None:
+            self.k, self.v = map_pool_file(shm_path, spec, num_blocks, block_size, create=True)
+        elif cuda_ipc:
+            from kv_transfer.cuda_ipc_backend import exportable_zeros
+
+            (self.k, hk), (self.v, hv) = (exportable_zeros(shape, spec.dtype, self.device) for _ in range(2))
+            self.ipc_handles = (hk, hv)
+        else:
             self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
             self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
-        else:
-            self.k, self.v = map_pool_file(shm_path, spec, num_blocks, block_size, create=True)
 
     def close(self) -> None:
         """Remove the shared-memory file, if any (mappings stay valid until unmapped)."""
@@ -64,8 +75,8 @@ class PagedKVCache:
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot index of each token position in [start, end): LongTensor [end - start]."""
-        positions = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
+        positions = torch.arange(start, end, device=self.device)
+        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,9 +84,9 @@ class PagedKVCache:
         return self.k[layer][:, slots], self.v[layer][:, slots]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k, v: [kv_heads, len(slots), head_dim]`` into the given slots."""
-        self.k[layer].index_copy_(1, slots, k)
-        self.v[layer].index_copy_(1, slots, v)
+        """Store ``k, v: [kv_heads, len(slots), head_dim]`` (on any device) into the given slots."""
+        self.k[layer].index_copy_(1, slots.to(self.device), k.to(self.device))
+        self.v[layer].index_copy_(1, slots.to(self.device), v.to(self.device))
 
 
 def map_pool_file(path: str, spec: KVSpec, num_blocks: int, block_size: int, create: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,15 +48,17 @@ class PagedModelRunner:
                 ctx.decode_block_tables = torch.tensor(tables, dtype=torch.int32)  # [B, max_blocks]
                 ctx.decode_context_lens = torch.tensor(context_lens, dtype=torch.int32)  # [B]
             else:  # block-granular gather into a padded batch
-                ctx.decode_block_ids = torch.tensor(tables, dtype=torch.long).view(-1)  # [B * max_blocks]
-                ctx.decode_mask = torch.arange(max_blocks * bs)[None, :] < torch.tensor(context_lens)[:, None]  # [B, S]
+                ctx.decode_block_ids = torch.tensor(tables, dtype=torch.long, device=self.device).view(-1)  # [B * max_blocks]
+                lens = torch.tensor(context_lens, device=self.device)
+                ctx.decode_mask = torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None]  # [B, S]
         return ctx, input_ids, positions
 
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Run one step; returns logits [len(batch), vocab] (float32) at each sequence's last new token."""
+        """Run one step; returns logits [len(batch), vocab] (float32, on the CPU, where
+        sampling runs) at each sequence's last new token."""
         ctx, input_ids, positions = self._context(batch)
-        last_token_index = torch.tensor(ctx.query_starts[1:]) - 1  # [num_seqs]
+        last_token_index = torch.tensor(ctx.query_starts[1:], device=self.device) - 1  # [num_seqs]
         set_context(ctx)
         try:
             out = self.model(
@@ -67,4 +69,4 @@ class PagedModelRunner:
             )
         finally:
             set_context(None)
-        return out.logits[0].float()
+        return out.logits[0].float().cpu()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pdserve/rpc/kv.proto\x12\x0bpdserve.rpc\"\xae\x01\n\rKVFingerprint\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0cweights_hash\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x08 \x01(\t\"C\n\x10HandshakeRequest\x12/\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.KVFingerprint\"Y\n\x11HandshakeResponse\x12/\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.KVFingerprint\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"(\n\x11\x44\x65scribeKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xa8\x01\n\x12\x44\x65scribeKVResponse\x12\x10\n\x08shm_path\x18\x01 \x01(\t\x12\x17\n\x0fpool_num_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tlayerwise\x18\x07 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x08 \x01(\rJ\x04\x08\x05\x10\x06\"%\n\x0e\x46\x65tchKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xb9\x01\n\x08KVHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x12\n\nnum_chunks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x11\n\tlayerwise\x18\t \x01(\x08\" \n\tKVTrailer\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\"q\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0bstart_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x07 \x01(\x06J\x04\x08\x06\x10\x07\"\x97\x01\n\x0f\x46\x65tchKVResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pdserve.rpc.KVHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.pdserve.rpc.KVChunkH\x00\x12)\n\x07trailer\x18\x03 \x01(\x0b\x32\x16.pdserve.rpc.KVTrailerH\x00\x42\t\n\x07payload\"@\n\x10ReleaseKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x17\n\x0flayer_checksums\x18\x02 \x03(\x06\"?\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x18\n\x10mismatched_layer\x18\x02 \x01(\x05\x32\xbb\x02\n\nKVTransfer\x12J\n\tHandshake\x12\x1d.pdserve.rpc.HandshakeRequest\x1a\x1e.pdserve.rpc.HandshakeResponse\x12\x46\n\x07\x46\x65tchKV\x12\x1b.pdserve.rpc.FetchKVRequest\x1a\x1c.pdserve.rpc.FetchKVResponse0\x01\x12M\n\nDescribeKV\x12\x1e.pdserve.rpc.DescribeKVRequest\x1a\x1f.pdserve.rpc.DescribeKVResponse\x12J\n\tReleaseKV\x12\x1d.pdserve.rpc.ReleaseKVRequest\x1a\x1e.pdserve.rpc.ReleaseKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pdserve/rpc/kv.proto\x12\x0bpdserve.rpc\"\xae\x01\n\rKVFingerprint\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0cweights_hash\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x08 \x01(\t\"C\n\x10HandshakeRequest\x12/\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.KVFingerprint\"Y\n\x11HandshakeResponse\x12/\n\x0b\x66ingerprint\x18\x01 \x01(\x0b\x32\x1a.pdserve.rpc.KVFingerprint\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"(\n\x11\x44\x65scribeKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xd0\x01\n\x12\x44\x65scribeKVResponse\x12\x10\n\x08shm_path\x18\x01 \x01(\t\x12\x17\n\x0fpool_num_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tlayerwise\x18\x07 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x08 \x01(\r\x12\x12\n\ncuda_ipc_k\x18\t \x01(\x0c\x12\x12\n\ncuda_ipc_v\x18\n \x01(\x0cJ\x04\x08\x05\x10\x06\"%\n\x0e\x46\x65tchKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xb9\x01\n\x08KVHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x12\n\nnum_chunks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x11\n\tlayerwise\x18\t \x01(\x08\" \n\tKVTrailer\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\"q\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0bstart_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x07 \x01(\x06J\x04\x08\x06\x10\x07\"\x97\x01\n\x0f\x46\x65tchKVResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pdserve.rpc.KVHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.pdserve.rpc.KVChunkH\x00\x12)\n\x07trailer\x18\x03 \x01(\x0b\x32\x16.pdserve.rpc.KVTrailerH\x00\x42\t\n\x07payload\"@\n\x10ReleaseKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x17\n\x0flayer_checksums\x18\x02 \x03(\x06\"?\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x18\n\x10mismatched_layer\x18\x02 \x01(\x05\x32\xbb\x02\n\nKVTransfer\x12J\n\tHandshake\x12\x1d.pdserve.rpc.HandshakeRequest\x1a\x1e.pdserve.rpc.HandshakeResponse\x12\x46\n\x07\x46\x65tchKV\x12\x1b.pdserve.rpc.FetchKVRequest\x1a\x1c.pdserve.rpc.FetchKVResponse0\x01\x12M\n\nDescribeKV\x12\x1e.pdserve.rpc.DescribeKVRequest\x1a\x1f.pdserve.rpc.DescribeKVResponse\x12J\n\tReleaseKV\x12\x1d.pdserve.rpc.ReleaseKVRequest\x1a\x1e.pdserve.rpc.ReleaseKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,21 +40,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEKVREQUEST']._serialized_start=374
   _globals['_DESCRIBEKVREQUEST']._serialized_end=414
   _globals['_DESCRIBEKVRESPONSE']._serialized_start=417
-  _globals['_DESCRIBEKVRESPONSE']._serialized_end=585
-  _globals['_FETCHKVREQUEST']._serialized_start=587
-  _globals['_FETCHKVREQUEST']._serialized_end=624
-  _globals['_KVHEADER']._serialized_start=627
-  _globals['_KVHEADER']._serialized_end=812
-  _globals['_KVTRAILER']._serialized_start=814
-  _globals['_KVTRAILER']._serialized_end=846
-  _globals['_KVCHUNK']._serialized_start=848
-  _globals['_KVCHUNK']._serialized_end=961
-  _globals['_FETCHKVRESPONSE']._serialized_start=964
-  _globals['_FETCHKVRESPONSE']._serialized_end=1115
-  _globals['_RELEASEKVREQUEST']._serialized_start=1117
-  _globals['_RELEASEKVREQUEST']._serialized_end=1181
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1183
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1246
-  _globals['_KVTRANSFER']._serialized_start=1249
-  _globals['_KVTRANSFER']._serialized_end=1564
+  _globals['_DESCRIBEKVRESPONSE']._serialized_end=625
+  _globals['_FETCHKVREQUEST']._serialized_start=627
+  _globals['_FETCHKVREQUEST']._serialized_end=664
+  _globals['_KVHEADER']._serialized_start=667
+  _globals['_KVHEADER']._serialized_end=852
+  _globals['_KVTRAILER']._serialized_start=854
+  _globals['_KVTRAILER']._serialized_end=886
+  _globals['_KVCHUNK']._serialized_start=888
+  _globals['_KVCHUNK']._serialized_end=1001
+  _globals['_FETCHKVRESPONSE']._serialized_start=1004
+  _globals['_FETCHKVRESPONSE']._serialized_end=1155
+  _globals['_RELEASEKVREQUEST']._serialized_start=1157
+  _globals['_RELEASEKVREQUEST']._serialized_end=1221
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1223
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1286
+  _globals['_KVTRANSFER']._serialized_start=1289
+  _globals['_KVTRANSFER']._serialized_end=1604
 # @@protoc_insertion_point(module_scope)

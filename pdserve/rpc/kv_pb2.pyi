@@ -47,7 +47,7 @@ class DescribeKVRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class DescribeKVResponse(_message.Message):
-    __slots__ = ("shm_path", "pool_num_blocks", "block_ids", "num_tokens", "block_size", "layerwise", "first_token")
+    __slots__ = ("shm_path", "pool_num_blocks", "block_ids", "num_tokens", "block_size", "layerwise", "first_token", "cuda_ipc_k", "cuda_ipc_v")
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class DescribeKVResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_K_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_V_FIELD_NUMBER: _ClassVar[int]
     shm_path: str
     pool_num_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -62,7 +64,9 @@ class DescribeKVResponse(_message.Message):
     block_size: int
     layerwise: bool
     first_token: int
-    def __init__(self, shm_path: _Optional[str] = ..., pool_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., layerwise: _Optional[bool] = ..., first_token: _Optional[int] = ...) -> None: ...
+    cuda_ipc_k: bytes
+    cuda_ipc_v: bytes
+    def __init__(self, shm_path: _Optional[str] = ..., pool_num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., layerwise: _Optional[bool] = ..., first_token: _Optional[int] = ..., cuda_ipc_k: _Optional[bytes] = ..., cuda_ipc_v: _Optional[bytes] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
     __slots__ = ("transfer_id",)
