@@ -17,7 +17,7 @@ from pdserve.config import ClusterConfig
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
-from pdserve.errors import CapacityError, FirstTokenMissingError, KVAuthError, KVIncompatibleError, KVTransferError
+from pdserve.errors import CapacityError, FirstTokenMissingError, KVAuthError, KVIncompatibleError, KVTransferError, PrefillEndedError
 from pdserve.messages import DecodeRequest, TokenChunk
 from pdserve.metrics import PoolMetrics
 from pdserve.worker import PREFILL_DEADLINE_S, build_engine, rss_bytes
@@ -112,7 +112,10 @@ class DecodeServer:
             done = [*request.prompt_ids, request.first_token, *request.resume_ids]
             seq, blocks = Sequence(request.request_id, done, num_prompt, request.params), []
         else:
-            seq, blocks = await self._receive(request, num_prompt, timeout_s)
+            received = await self._receive(request, num_prompt, timeout_s)
+            if received is None:  # layer-wise: prefill finished the request itself, nothing to decode
+                return
+            seq, blocks = received
         # Close the inner generator here, not at garbage collection: when a client leaves,
         # Ray closes this generator at its yield, and only then is the sequence aborted at once.
         run = self._run(seq, blocks)
@@ -122,9 +125,10 @@ class DecodeServer:
         finally:
             await run.aclose()
 
-    async def _receive(self, request: DecodeRequest, num_prompt: int, timeout_s: float) -> tuple[Sequence, list[int]]:
+    async def _receive(self, request: DecodeRequest, num_prompt: int, timeout_s: float) -> tuple[Sequence, list[int]] | None:
         """Reserve blocks and fetch the prompt's KV into them; on a fault, recompute or raise
-        (kv_transfer.on_fault). Returns the sequence to run and the blocks it holds."""
+        (kv_transfer.on_fault). Returns the sequence to run and the blocks it holds, or None
+        when a layer-wise prefill finished the request at its first token."""
         blocks = await self._reserve(num_prompt, time.monotonic() + timeout_s)
         first_token = request.first_token
         if first_token is None:  # layer-wise: the fetch also waits for prefill to compute the KV
@@ -138,6 +142,10 @@ class DecodeServer:
             self.num_kv_fetched += 1
             self.metrics.kv_transfer_seconds.observe(time.perf_counter() - start, tags={"transport": transport})
             self.metrics.kv_transfer_bytes.inc(num_prompt * self.engine.kv_spec.bytes_per_token, tags={"transport": transport})
+        except PrefillEndedError:  # not a fault: the router drops this call
+            self.engine.free_blocks(blocks)
+            await self._release_quietly(request.kv)
+            return None
         except KVTransferError as e:
             self.engine.free_blocks(blocks)
             blocks = []

@@ -22,10 +22,10 @@ from kv_transfer.base import KVHandle, KVReceiver, KVSink
 from kv_transfer.fingerprint import KVFingerprint
 from kv_transfer.malloc import keep_large_allocations
 from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, receive_stream
-from kv_transfer.server import fingerprint_to_proto
+from kv_transfer.server import PREFILL_ENDED, fingerprint_to_proto
 from kv_transfer.cuda_ipc_backend import CudaIpcReader
 from kv_transfer.shm_backend import ShmReader
-from pdserve.errors import KVAuthError, KVNotFoundError, KVTransferError
+from pdserve.errors import KVAuthError, KVNotFoundError, KVTransferError, PrefillEndedError
 from pdserve.rpc import kv_pb2, kv_pb2_grpc
 
 
@@ -133,6 +133,8 @@ class KVClient(KVReceiver):
                 raise KVAuthError(f"prefill worker {handle.address} refused this decode worker: {e.details()}") from None
             if cancel is not None and cancel.is_set():
                 raise KVTransferError("KV transfer cancelled") from None
+            if any(key == PREFILL_ENDED for key, _ in (e.trailing_metadata() or ())):
+                raise PrefillEndedError(e.details()) from None  # layer-wise: nothing to decode
             raise KVTransferError(f"KV fetch from {handle.address} failed: {e.code().name}: {e.details()}") from None
         with self._lock:
             self._stats["num_fetched"] += 1

@@ -25,7 +25,7 @@ import torch
 
 from kv_transfer.paged import PagedKVSource
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.errors import KVTransferError
+from pdserve.errors import KVTransferError, PrefillEndedError
 
 
 class KVNotReadyError(KVTransferError):
@@ -43,6 +43,7 @@ class LayerProgress:
         self._written = [0] * num_layers  # tokens of each layer stored so far
         self._first_token: int | None = None
         self._failure: str | None = None
+        self._ended = False  # prefill finished the request itself: a failure that is no fault
         self._on_start = on_start  # called once, at the first mark (the prompt was scheduled)
 
     def mark(self, layer: int, num_tokens: int) -> None:
@@ -59,6 +60,14 @@ class LayerProgress:
         with self.lock:
             self._written = [self.num_tokens] * len(self._written)
             self._first_token = first_token
+            self.lock.notify_all()
+
+    def end(self) -> None:
+        """Prefill finished the request at its first token (engine thread, before it frees
+        the blocks): readers stop with PrefillEndedError."""
+        with self.lock:
+            if self._failure is None:
+                self._failure, self._ended = "prefill finished the request at its first token", True
             self.lock.notify_all()
 
     def fail(self, reason: str) -> None:
@@ -86,6 +95,11 @@ class LayerProgress:
             if alive is not None and not alive():
                 raise KVNotReadyError(f"the receiver left while waiting for {what}")
             self.lock.wait(min(left, 0.1))
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._ended:
+            raise PrefillEndedError(self._failure)
         if self._failure is not None:
             raise KVNotReadyError(f"streamed KV failed: {self._failure}")
 
@@ -167,9 +181,11 @@ class _Reading:
 
     def __enter__(self):
         self.progress.lock.acquire()
-        if self.progress.failure is not None:
+        try:
+            self.progress._raise_failure()
+        except KVTransferError:
             self.progress.lock.release()
-            raise KVNotReadyError(f"streamed KV failed: {self.progress.failure}")
+            raise
 
     def __exit__(self, *exc):
         self.progress.lock.release()

@@ -31,6 +31,7 @@ from kv_transfer.malloc import keep_large_allocations
 from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, iter_chunks
 from kv_transfer.lease import LeaseTable
 from kv_transfer.progress import KVNotReadyError
+from pdserve.errors import PrefillEndedError
 from pdserve.rpc import kv_pb2, kv_pb2_grpc
 
 
@@ -69,6 +70,8 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
                 if broken and i == 2:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: stream broken mid-transfer")
                 yield message
+        except PrefillEndedError as e:  # layer-wise: the request ended at its first token
+            _abort_prefill_ended(context, e)
         except KVNotReadyError as e:  # layer-wise: prefill failed, was preempted, or took too long
             context.abort(grpc.StatusCode.ABORTED, str(e))
         self._held(request.transfer_id, context)  # still held: nothing was reused under the reads
@@ -85,6 +88,8 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
         if getattr(source, "streamed", False):  # leased while prefill runs: answer once it has ended (no overlap over shm)
             try:
                 first_token = source.wait_first_token(_deadline(context), context.is_active)
+            except PrefillEndedError as e:
+                _abort_prefill_ended(context, e)
             except KVNotReadyError as e:
                 context.abort(grpc.StatusCode.ABORTED, str(e))
         block_ids = backend.block_ids(kv_cache, source.block_table, source.num_tokens)
@@ -109,6 +114,14 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
             theirs = list(request.layer_checksums)
             mismatched = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), -1 if len(ours) == len(theirs) else 0)
         return kv_pb2.ReleaseKVResponse(released=self.s.table.release(request.transfer_id), mismatched_layer=mismatched)
+
+
+PREFILL_ENDED = "pdserve-prefill-ended"  # trailing metadata key: the transfer ended with no fault (PrefillEndedError)
+
+
+def _abort_prefill_ended(context, e: Exception) -> None:
+    context.set_trailing_metadata(((PREFILL_ENDED, "1"),))
+    context.abort(grpc.StatusCode.CANCELLED, str(e))
 
 
 def _deadline(context) -> float:

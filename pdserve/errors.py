@@ -28,6 +28,11 @@ class KVIncompatibleError(KVTransferError):
         self.field = field
 
 
+class PrefillEndedError(KVTransferError):
+    """A layer-wise transfer ended because prefill finished the request at its first token
+    (a stop token, or max_tokens 1): there is nothing to decode. Not a fault."""
+
+
 class FirstTokenMissingError(KVTransferError):
     """A layer-wise KV stream broke before prefill's first token arrived, so the decode
     worker cannot recompute in its place; the router resends the request with the token."""

@@ -55,7 +55,7 @@ def secret_env_names(cfg: ClusterConfig) -> list[str]:
 def _container(name: str, image: str, cpus: float, gpus: float, ports: list[int] = (), env: list[dict] = ()) -> dict[str, Any]:
     limits = {"cpu": str(max(1, int(cpus))), "memory": "8Gi", **({"nvidia.com/gpu": str(int(gpus))} if gpus else {})}
     return {"name": name, "image": image, "resources": {"limits": limits, "requests": dict(limits)},
-            **({"ports": [{"containerPort": p} for p in ports]} if ports else {}), **({"env": list(env)} if env else {})}
+            **({"ports": [{"containerPort": p} for p in ports]} if ports else {}), **({"env": copy.deepcopy(list(env))} if env else {})}  # own copies: no YAML anchors
 
 
 def kuberay(cfg: ClusterConfig, image: str, ray_version: str, secret_name: str = "pdserve-secrets") -> dict[str, Any]:

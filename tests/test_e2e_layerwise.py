@@ -57,6 +57,19 @@ def test_layerwise_greedy_equals_reference_alone_and_concurrently(cluster, refer
     assert router_stats()["num_resent"] == 0
 
 
+def test_layerwise_first_token_stop_is_an_empty_answer_and_no_kv_fault(cluster, reference):
+    """Decode was already fetching when prefill's first token ended the request."""
+    model, tokenizer = reference
+    prompt = text_prompt(tokenizer, 300)
+    first = reference_generate(model, prompt, 1)[0]
+    before = pool_stats("decode")
+    got = cluster.generate(prompt_token_ids=prompt, max_tokens=16, stop_token_ids=[first])
+    assert got.token_ids == [] and got.finish_reason == "stop"
+    prefill, decode = wait_until_idle(30)
+    assert decode["num_kv_faults"] == before["num_kv_faults"] and decode["num_steps"] == before["num_steps"]
+    assert prefill["num_held"] == 0 and router_stats()["num_resent"] == 0
+
+
 def test_layerwise_clients_that_leave_during_prefill_or_the_fetch_free_everything(cluster, reference):
     _, tokenizer = reference
     for delay in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8):

@@ -48,6 +48,7 @@ def test_colocated_renders_one_pool_group():
 def test_env_secrets_come_from_a_kubernetes_secret_not_the_manifest():
     cfg = ClusterConfig.from_dict({"security": {"api_key": "env:PDSERVE_API_KEY", "kv_secret": "env:PDSERVE_KV_SECRET"}})
     text = dump(kuberay(cfg, "img", "2.60.0", secret_name="my-secrets"))
+    assert "&id" not in text and "*id" not in text  # plain Kubernetes YAML, no anchors
     manifest = yaml.safe_load(text)
     cluster = manifest["spec"]["rayClusterConfig"]
     containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]] + [g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]

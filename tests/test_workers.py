@@ -224,3 +224,32 @@ def test_layerwise_prefill_that_fails_mid_stream_frees_both_sides(workers, refer
     p, d = asyncio.run(settle(prefill, decode))
     assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"]
     assert d["num_free_blocks"] == d["num_blocks"] and d["num_running"] == 0
+
+
+def test_layerwise_request_that_prefill_finishes_is_not_a_fault(workers, reference):
+    """Prefill ends the request at its first token (here max_tokens 1) while decode is
+    already fetching: decode's stream ends empty, no KV fault is counted, nothing leaks."""
+    backend, prefill, decode = workers
+    prompt, _ = reference
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    long_prompt = (prompt * 100)[:600]
+    faults = asyncio.run(decode.stats())["num_kv_faults"]
+
+    async def scenario():
+        steps = prefill.prefill_layerwise(PrefillRequest(f"lw-ended-{backend}", long_prompt, params))
+        started = await steps.__anext__()
+
+        async def decode_all() -> list[int]:
+            return [t async for chunk in decode.generate(DecodeRequest(started.request_id, long_prompt, None, params, started.kv))
+                    for t in chunk.token_ids]
+
+        decoding = asyncio.ensure_future(decode_all())
+        first = await steps.__anext__()
+        assert first.finish_reason == "length" and first.kv is None
+        assert await decoding == []
+        await steps.aclose()
+
+    asyncio.run(scenario())
+    p, d = asyncio.run(settle(prefill, decode))
+    assert d["num_kv_faults"] == faults
+    assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]

@@ -127,6 +127,8 @@ class Engine:
                 seq.logprobs.append(token_logprob(row, token, seq.params.logprobs))
             seq.finish_reason = finish_reason(token, seq.num_generated, seq.params, self.eos_token_ids)
             if seq.finish_reason is not None:
+                if seq.kv_progress is not None:  # layer-wise: its reader stops, with no fault
+                    seq.kv_progress.end()
                 self.scheduler.finish(seq)
             elif seq.stop_after_first_token:  # prefill: the KV goes to decode
                 self.scheduler.finish(seq, free_blocks=False)
