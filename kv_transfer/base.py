@@ -13,10 +13,11 @@ into (the decode worker's blocks), so KV goes straight from pool to pool.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -41,10 +42,13 @@ class KVHandle:
 
 
 class KVSource(ABC):
-    """KV held for a transfer."""
+    """KV held for a transfer. A source still being computed (``streamed``, layer-wise:
+    kv_transfer/progress.py) overrides ``wait_layer``, ``reading`` and ``wait_first_token``;
+    a finished one needs none of them."""
 
     spec: KVSpec
     num_tokens: int
+    streamed: bool = False
 
     @abstractmethod
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +56,13 @@ class KVSource(ABC):
 
     def release(self) -> None:  # noqa: B027 - optional hook
         """Called once when the transfer is acknowledged, cancelled or its lease expires."""
+
+    def wait_layer(self, layer: int, end: int, deadline: float, alive: Callable[[], bool] | None = None) -> None:  # noqa: B027
+        """Block until tokens [0, end) of ``layer`` can be read (at once here)."""
+
+    def reading(self) -> contextlib.AbstractContextManager:
+        """Hold while copying out of the source (nothing to hold here)."""
+        return contextlib.nullcontext()
 
     @property
     def nbytes(self) -> int:

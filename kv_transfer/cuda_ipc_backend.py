@@ -82,10 +82,6 @@ def layer_checksum(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, bl
     return total
 
 
-def block_ids(kv_cache: PagedKVCache, block_table: list[int], num_tokens: int) -> list[int]:
-    return block_table[: -(-num_tokens // kv_cache.block_size)]
-
-
 def checksums(kv_cache: PagedKVCache, ids: list[int]) -> list[int]:
     """The sender's per-layer checksums of a transfer's blocks (run beside the copy)."""
     index = torch.tensor(ids, dtype=torch.long, device=kv_cache.device)

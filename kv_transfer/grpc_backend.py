@@ -9,7 +9,6 @@ here against zlib CRC32's 2-4) that the receiver checks before use.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import warnings
@@ -60,7 +59,6 @@ def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size
     first token. Waits end at ``deadline`` (time.monotonic()) or once ``alive()`` is false
     (the receiver left), raising KVNotReadyError."""
     spec, num_tokens = source.spec, source.num_tokens
-    streamed = getattr(source, "streamed", False)
     bytes_per_layer_token = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
     tokens_per_chunk = max(1, chunk_bytes // bytes_per_layer_token)
     if block_size and tokens_per_chunk >= block_size:  # block-aligned chunks go out without a gather
@@ -71,15 +69,14 @@ def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size
         header=kv_pb2.KVHeader(
             transfer_id=transfer_id, dtype=dtype_name(spec.dtype), num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_tokens=num_tokens,
-            num_chunks=spec.num_layers * len(starts), block_size=block_size, layerwise=streamed,
+            num_chunks=spec.num_layers * len(starts), block_size=block_size, layerwise=source.streamed,
         )
     )
     for layer in range(spec.num_layers):
         for start in starts:
             end = min(start + tokens_per_chunk, num_tokens)
-            if streamed:  # wait for prefill to write it, then copy it out before a preemption can free it
-                source.wait_layer(layer, end, deadline, alive)
-            with source.reading() if streamed else contextlib.nullcontext():
+            source.wait_layer(layer, end, deadline, alive)  # layer-wise: until prefill has written it ...
+            with source.reading():  # ... and copied out before a preemption can free it
                 views = source.pieces(layer, start, end) if hasattr(source, "pieces") else None
                 if views is not None:  # straight from the pool's blocks: one copy, into the message
                     key, value = views
@@ -92,7 +89,7 @@ def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size
                     key, corrupt = bytes([flat[0] ^ 0xFF]) + flat[1:], False
                 message = encode_chunk(layer, start, end - start, key, value, digest)
             yield message
-    if streamed:
+    if source.streamed:
         yield kv_pb2.FetchKVResponse(trailer=kv_pb2.KVTrailer(first_token=source.wait_first_token(deadline, alive)))
 
 

@@ -7,7 +7,6 @@ acknowledgement rule are the same as over the network.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
@@ -61,7 +60,6 @@ class LoopbackKVReceiver(KVReceiver):
             raise KVNotFoundError(f"no KV held for transfer {handle.transfer_id!r} (released or lease expired)")
         if source.spec != sink.spec or source.num_tokens != handle.num_tokens:
             raise KVTransferError(f"loopback KV layout {source.spec} x {source.num_tokens} does not match {sink.spec}")
-        streamed = getattr(source, "streamed", False)  # layer-wise (kv_transfer/progress.py): each layer once written
         deadline = time.monotonic() + timeout_s
         alive = (lambda: not cancel.is_set()) if cancel is not None else None
         for layer in range(source.spec.num_layers):
@@ -69,12 +67,11 @@ class LoopbackKVReceiver(KVReceiver):
                 raise KVTransferError("KV transfer cancelled")
             if time.perf_counter() - start > timeout_s:
                 raise KVTransferError(f"KV fetch timed out after {timeout_s} s")
-            if streamed:
-                source.wait_layer(layer, source.num_tokens, deadline, alive)
-            with source.reading() if streamed else contextlib.nullcontext():
+            source.wait_layer(layer, source.num_tokens, deadline, alive)  # layer-wise: each layer once written
+            with source.reading():
                 k, v = source.read(layer, 0, source.num_tokens)
             sink.write(layer, 0, k, v)
-        if streamed:
+        if source.streamed:
             sink.first_token = source.wait_first_token(deadline, alive)
         if not sender.table.release(handle.transfer_id):
             raise KVNotFoundError(f"the lease on KV {handle.transfer_id!r} ended before it was acknowledged")

@@ -17,6 +17,7 @@ to the lease, as with a finished prefill.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -81,10 +82,6 @@ class LayerProgress:
             on_start, self._on_start = self._on_start, None
             on_start()
 
-    @property
-    def failure(self) -> str | None:
-        return self._failure
-
     def _wait(self, ready: Callable[[], bool], what: str, deadline: float, alive: Callable[[], bool] | None) -> None:
         """With ``lock`` held: wait until ``ready()``; raises KVNotReadyError on a failure, at
         ``deadline`` (time.monotonic()) or once ``alive()`` is false (checked every 0.1 s)."""
@@ -95,9 +92,10 @@ class LayerProgress:
             if alive is not None and not alive():
                 raise KVNotReadyError(f"the receiver left while waiting for {what}")
             self.lock.wait(min(left, 0.1))
-        self._raise_failure()
+        self.raise_if_failed()
 
-    def _raise_failure(self) -> None:
+    def raise_if_failed(self) -> None:
+        """Raises PrefillEndedError or KVNotReadyError once the stream cannot go on."""
         if self._ended:
             raise PrefillEndedError(self._failure)
         if self._failure is not None:
@@ -148,11 +146,14 @@ class StreamedKVSource(PagedKVSource):
     def wait_layer(self, layer: int, end: int, deadline: float, alive: Callable[[], bool] | None = None) -> None:
         self.progress.wait_layer(layer, end, deadline, alive)
 
+    @contextlib.contextmanager
     def reading(self):
         """Hold while copying out of the blocks: a preemption or abort waits for the copy,
         then makes later reads fail (``LayerProgress.fail``). Raises KVNotReadyError
         (on enter) if that already happened."""
-        return _Reading(self.progress)
+        with self.progress.lock:
+            self.progress.raise_if_failed()
+            yield
 
     def wait_first_token(self, deadline: float, alive: Callable[[], bool] | None = None) -> int:
         return self.progress.wait_first_token(deadline, alive)
@@ -174,18 +175,3 @@ class StreamedKVSource(PagedKVSource):
         else:  # still the engine's: only stop the readers
             self.progress.fail("the KV lease ended before prefill finished")
 
-
-class _Reading:
-    def __init__(self, progress: LayerProgress):
-        self.progress = progress
-
-    def __enter__(self):
-        self.progress.lock.acquire()
-        try:
-            self.progress._raise_failure()
-        except KVTransferError:
-            self.progress.lock.release()
-            raise
-
-    def __exit__(self, *exc):
-        self.progress.lock.release()

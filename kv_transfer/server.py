@@ -81,29 +81,29 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
         kv_cache = getattr(source, "kv_cache", None)
         if kv_cache is None or (kv_cache.shm_path is None and kv_cache.ipc_handles is None):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill worker's KV pool is neither in shared memory nor exportable over CUDA IPC")
-        backend = shm_backend if kv_cache.shm_path is not None else cuda_ipc_backend
+        checksums = shm_backend.checksums if kv_cache.shm_path is not None else cuda_ipc_backend.checksums
         if self._injected_stall_then_break():
             context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: connection broken mid-transfer")
         first_token = 0
-        if getattr(source, "streamed", False):  # leased while prefill runs: answer once it has ended (no overlap over shm)
+        if source.streamed:  # leased while prefill runs: answer once it has ended (no overlap over shm)
             try:
                 first_token = source.wait_first_token(_deadline(context), context.is_active)
             except PrefillEndedError as e:
                 _abort_prefill_ended(context, e)
             except KVNotReadyError as e:
                 context.abort(grpc.StatusCode.ABORTED, str(e))
-        block_ids = backend.block_ids(kv_cache, source.block_table, source.num_tokens)
+        block_ids = shm_backend.block_ids(kv_cache, source.block_table, source.num_tokens)
         # checksum our blocks while the receiver copies them (the C call releases the GIL); ReleaseKV compares
         for tid in [t for t in self.s.checksums if self.s.table.get(t) is None]:  # leases that ended unacknowledged
             self.s.checksums.pop(tid, None)
         corrupt = self.s.faults.take("corrupt")
         self.s.checksums[request.transfer_id] = self.s.checksum_pool.submit(
-            lambda: [x ^ (corrupt and i == 0) for i, x in enumerate(backend.checksums(kv_cache, block_ids))])
+            lambda: [x ^ (corrupt and i == 0) for i, x in enumerate(checksums(kv_cache, block_ids))])
         k_handle, v_handle = kv_cache.ipc_handles or (b"", b"")
         return kv_pb2.DescribeKVResponse(
             shm_path=kv_cache.shm_path or "", cuda_ipc_k=k_handle, cuda_ipc_v=v_handle, pool_num_blocks=kv_cache.num_blocks, block_ids=block_ids,
             num_tokens=source.num_tokens, block_size=kv_cache.block_size,
-            layerwise=getattr(source, "streamed", False), first_token=first_token,
+            layerwise=source.streamed, first_token=first_token,
         )
 
     def ReleaseKV(self, request, context):

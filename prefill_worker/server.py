@@ -52,23 +52,30 @@ class PrefillServer:
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Raises InvalidRequestError for a request that breaks the shared limits,
         TimeoutError after PREFILL_DEADLINE_S."""
-        request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
-        start = time.perf_counter()
-        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params, stop_after_first_token=True)
+        start, seq = time.perf_counter(), self._sequence(request)
         queue = self.loop.submit(seq)
         try:
             chunk = await self.loop.next_output(queue, PREFILL_DEADLINE_S)
         except BaseException:
             self.loop.abort(seq)
             raise
-        self.num_requests += 1
-        self.ttft.observe(time.perf_counter() - start)
         handle = None
         if chunk.finish_reason is None:  # decode will continue: lease the prompt's blocks to it
             source = PagedKVSource(self.engine.kv_cache, seq.block_table, seq.num_prompt_tokens, self.engine.free_blocks)
-            handle = self.kv_sender.put(request.request_id, source, self.cfg.prefill.kv_lease_s)
+            handle = self.kv_sender.put(request.request_id, source, self.pool_cfg.kv_lease_s)
+        return self._result(seq, chunk.finish_reason, handle, start)
+
+    def _sequence(self, request: PrefillRequest) -> Sequence:
+        """Raises InvalidRequestError for a request that breaks the shared limits."""
+        request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
+        return Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params, stop_after_first_token=True)
+
+    def _result(self, seq: Sequence, finish_reason: str | None, handle, start: float) -> PrefillResult:
+        """The reply for a prefilled ``seq``, counted (``start``: its time.perf_counter() on arrival)."""
+        self.num_requests += 1
+        self.ttft.observe(time.perf_counter() - start)
         first_logprob = seq.logprobs[-1] if seq.logprobs else None
-        return PrefillResult(request.request_id, seq.token_ids[-1], chunk.finish_reason, handle, first_logprob)
+        return PrefillResult(seq.request_id, seq.token_ids[-1], finish_reason, handle, first_logprob)
 
     async def prefill_layerwise(self, request: PrefillRequest) -> AsyncIterator[PrefillStarted | PrefillResult]:
         """Layer-wise hand-off (``kv_transfer.layerwise``): yields PrefillStarted once the prompt
@@ -78,9 +85,8 @@ class PrefillServer:
         The blocks stay the engine's until prefill ends, then pass to the lease (``own``).
         Raises as ``prefill``; on any error or cancel the lease ends and the engine frees them.
         """
-        request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
-        start, loop, started = time.perf_counter(), asyncio.get_running_loop(), asyncio.Event()
-        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params, stop_after_first_token=True)
+        start, seq = time.perf_counter(), self._sequence(request)
+        loop, started = asyncio.get_running_loop(), asyncio.Event()
         seq.kv_progress = progress = LayerProgress(self.engine.kv_spec.num_layers, seq.num_prompt_tokens,
                                                    on_start=lambda: loop.call_soon_threadsafe(started.set))
         source = StreamedKVSource(self.engine.kv_cache, seq, self.engine.free_blocks, progress)
@@ -102,8 +108,6 @@ class PrefillServer:
             self.kv_sender.release(request.request_id)  # not yet the lease's blocks: nothing freed here ...
             self.loop.abort(seq)  # ... the engine frees them
             raise
-        self.num_requests += 1
-        self.ttft.observe(time.perf_counter() - start)
         if chunk.finish_reason is not None:  # done at the first token: the engine freed the blocks
             self.kv_sender.release(request.request_id)
             handle = None
@@ -111,8 +115,7 @@ class PrefillServer:
             self.kv_sender.table.renew(request.request_id, self.pool_cfg.kv_lease_s)
         else:  # decode already gave up on this KV (its lease ended): free the blocks here
             self.engine.free_blocks(seq.block_table)
-        first_logprob = seq.logprobs[-1] if seq.logprobs else None
-        yield PrefillResult(request.request_id, seq.token_ids[-1], chunk.finish_reason, handle, first_logprob)
+        yield self._result(seq, chunk.finish_reason, handle, start)
 
     async def release(self, transfer_id: str) -> bool:
         """Free a request's KV early (the router calls this when a request is cancelled)."""

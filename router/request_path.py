@@ -135,12 +135,17 @@ class RequestPath:
                 call.add_done_callback(self._release_orphan)
                 raise
             except REPLICA_GONE as e:
-                if attempt == self.max_retries:
-                    raise
-                self.num_prefill_retries += 1
-                log.warning("prefill replica lost for %s (%s); retrying on another", request.request_id, type(e).__name__)
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await self._before_prefill_retry(request, e, attempt)
         raise AssertionError("unreachable")
+
+    async def _before_prefill_retry(self, request: PrefillRequest, error: BaseException, attempt: int) -> None:
+        """A prefill replica died: re-raise ``error`` if ``attempt`` was the last one, else
+        count the retry and back off (``retry_backoff_s`` x 2^attempt)."""
+        if attempt == self.max_retries:
+            raise error
+        self.num_prefill_retries += 1
+        log.warning("prefill replica lost for %s (%s); retrying on another", request.request_id, type(error).__name__)
+        await asyncio.sleep(self.backoff_s * 2**attempt)
 
     async def _prefill_layerwise(self, request: PrefillRequest) -> tuple[PrefillResult, Any]:
         """Prefill with the decode call started as soon as prefill has scheduled the prompt
@@ -162,11 +167,9 @@ class RequestPath:
                     decode.cancel()
                 if handle is not None:
                     self._release(handle.transfer_id)
-                if not isinstance(e, REPLICA_GONE) or attempt == self.max_retries:
+                if not isinstance(e, REPLICA_GONE):
                     raise
-                self.num_prefill_retries += 1
-                log.warning("prefill replica lost for %s (%s); retrying on another", request.request_id, type(e).__name__)
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await self._before_prefill_retry(request, e, attempt)
         raise AssertionError("unreachable")
 
     def _release_orphan(self, call: asyncio.Future) -> None:

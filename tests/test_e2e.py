@@ -47,17 +47,35 @@ def pool_stats(name: str) -> dict:
     return serve.get_deployment_handle(name, app_name="pdserve").stats.remote().result()
 
 
-def wait_until_idle(timeout_s: float) -> tuple[dict, dict]:
-    """(prefill, decode) stats once no lease is held and decode runs and holds nothing, or at the deadline."""
+def wait_until_idle(timeout_s: float, prefill_too: bool = False) -> tuple[dict, dict]:
+    """(prefill, decode) stats once no lease is held and decode runs and holds nothing, or at
+    the deadline. ``prefill_too``: prefill must run and hold nothing either (a layer-wise
+    lease can end while its prompt still computes)."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while True:
         prefill, decode = pool_stats("prefill"), pool_stats("decode")
-        idle = prefill["num_held"] == 0 and decode["num_running"] == 0 and decode["num_waiting"] == 0 and decode["num_used_blocks"] == 0
+        pools = (prefill, decode) if prefill_too else (decode,)
+        idle = prefill["num_held"] == 0 and all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_used_blocks"] == 0 for s in pools)
         if idle or time.monotonic() > deadline:
             return prefill, decode
         time.sleep(0.25)
+
+
+def leave_streams(cluster, prompt_ids: list[int], max_tokens: int, delays: tuple[float, ...]) -> None:
+    """One stream per delay, cancelled by its client that many seconds after it started."""
+    import threading
+    import time
+
+    for delay in delays:
+        call = cluster.stream(prompt_token_ids=prompt_ids, max_tokens=max_tokens)
+        reader = threading.Thread(target=lambda: list(call))
+        reader.start()
+        time.sleep(delay)
+        call.cancel()
+        reader.join(30)
+        assert not reader.is_alive()
 
 
 def text_prompt(tokenizer, num_tokens: int) -> list[int]:
@@ -191,9 +209,6 @@ def test_cancelled_streams_release_everything(cluster, reference):
     (Ray Serve's gRPC proxy does not always pass the cancel on; such a request then runs
     to max_tokens before it is freed, so this waits for that with a deadline.)
     """
-    import threading
-    import time
-
     _, tokenizer = reference
     for i in range(4):
         call = cluster.stream(prompt_token_ids=text_prompt(tokenizer, 40 + i), max_tokens=64)
@@ -201,14 +216,8 @@ def test_cancelled_streams_release_everything(cluster, reference):
             if n == 2:
                 break
         call.cancel()
-    for delay in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5):  # leaving during prefill, at the hand-off and during the KV fetch
-        call = cluster.stream(prompt_token_ids=text_prompt(tokenizer, 200), max_tokens=64)
-        reader = threading.Thread(target=lambda: list(call))
-        reader.start()
-        time.sleep(delay)
-        call.cancel()
-        reader.join(30)
-        assert not reader.is_alive()
+    # leaving during prefill, at the hand-off and during the KV fetch
+    leave_streams(cluster, text_prompt(tokenizer, 200), 64, (0.0, 0.05, 0.1, 0.2, 0.3, 0.5))
     prefill, decode = wait_until_idle(60)
     assert prefill["num_held"] == 0 and prefill["num_used_blocks"] == 0
     assert decode["num_running"] == 0 and decode["num_waiting"] == 0 and decode["num_used_blocks"] == 0

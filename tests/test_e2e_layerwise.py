@@ -5,14 +5,12 @@ leave at any moment leave nothing held."""
 
 from __future__ import annotations
 
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conftest import reference_generate, serve_cluster
-from test_e2e import pool_stats, reference, strip_eos, text_prompt  # noqa: F401 - reference is a fixture
+from test_e2e import leave_streams, pool_stats, reference, strip_eos, text_prompt, wait_until_idle  # noqa: F401 - reference is a fixture
 
 pytestmark = pytest.mark.e2e
 GRPC_PORT, HTTP_PORT = 9180, 8180
@@ -23,18 +21,6 @@ def cluster():
     config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT},
               "kv_transfer": {"backend": "grpc", "layerwise": True}}
     yield from serve_cluster(config)
-
-
-def wait_until_idle(timeout_s: float) -> tuple[dict, dict]:
-    """(prefill, decode) stats once both hold and run nothing, or at the deadline. (A
-    layer-wise lease can end while its prompt still computes: prefill's blocks count too.)"""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        prefill, decode = pool_stats("prefill"), pool_stats("decode")
-        if time.monotonic() > deadline or all(
-                s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_used_blocks"] == 0 for s in (prefill, decode)) and prefill["num_held"] == 0:
-            return prefill, decode
-        time.sleep(0.25)
 
 
 def router_stats() -> dict:
@@ -52,7 +38,7 @@ def test_layerwise_greedy_equals_reference_alone_and_concurrently(cluster, refer
         got = list(pool.map(lambda p: cluster.generate(prompt_token_ids=p, max_tokens=12).token_ids, prompts))
     assert got == wants
     assert cluster.generate(prompt_token_ids=prompts[0], max_tokens=1).token_ids == wants[0][:1]  # prefill alone
-    prefill, decode = wait_until_idle(30)
+    prefill, decode = wait_until_idle(30, prefill_too=True)
     assert decode["kv_num_fetched_grpc"] >= len(prompts) + 1 and decode["num_kv_faults"] == 0
     assert router_stats()["num_resent"] == 0
 
@@ -65,21 +51,14 @@ def test_layerwise_first_token_stop_is_an_empty_answer_and_no_kv_fault(cluster, 
     before = pool_stats("decode")
     got = cluster.generate(prompt_token_ids=prompt, max_tokens=16, stop_token_ids=[first])
     assert got.token_ids == [] and got.finish_reason == "stop"
-    prefill, decode = wait_until_idle(30)
+    prefill, decode = wait_until_idle(30, prefill_too=True)
     assert decode["num_kv_faults"] == before["num_kv_faults"] and decode["num_steps"] == before["num_steps"]
     assert prefill["num_held"] == 0 and router_stats()["num_resent"] == 0
 
 
 def test_layerwise_clients_that_leave_during_prefill_or_the_fetch_free_everything(cluster, reference):
     _, tokenizer = reference
-    for delay in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8):
-        call = cluster.stream(prompt_token_ids=text_prompt(tokenizer, 400), max_tokens=32)
-        reader = threading.Thread(target=lambda: list(call))
-        reader.start()
-        time.sleep(delay)
-        call.cancel()
-        reader.join(30)
-        assert not reader.is_alive()
-    prefill, decode = wait_until_idle(60)
+    leave_streams(cluster, text_prompt(tokenizer, 400), 32, (0.0, 0.05, 0.1, 0.2, 0.4, 0.8))
+    prefill, decode = wait_until_idle(60, prefill_too=True)
     assert prefill["num_held"] == 0 and prefill["num_used_blocks"] == 0
     assert decode["num_running"] == 0 and decode["num_waiting"] == 0 and decode["num_used_blocks"] == 0
