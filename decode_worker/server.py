@@ -24,7 +24,7 @@ from pdserve.worker import PREFILL_DEADLINE_S, build_engine, rss_bytes
 
 log = logging.getLogger(__name__)
 
-STEP_DEADLINE_S = 60.0  # longest wait for one token before the request fails
+STEP_DEADLINE_S = 60.0  # longest wait for one token, beyond max_step_s, before the request fails
 
 
 async def receive_kv(kv_cache: PagedKVCache, receiver: KVReceiver, handle: KVHandle, blocks: list[int], num_tokens: int,
@@ -63,7 +63,7 @@ class DecodeServer:
         self.pool_cfg = getattr(self.cfg, pool)
         self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
         self.engine, fingerprint = build_engine(self.cfg, pool)
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s)
         self.kv_receiver = make_receiver(self.cfg.kv_transfer, fingerprint=fingerprint, secret=self.cfg.security.kv_secret)
         self.num_kv_fetched = 0
         self.num_kv_faults = 0  # fetches that failed; each recomputed or failed per kv_transfer.on_fault
@@ -99,10 +99,12 @@ class DecodeServer:
 
         Raises InvalidRequestError for a request over the shared limits,
         KVTransferError if the KV cannot be fetched, CapacityError if the pool has
-        no room before the KV deadline, TimeoutError if a token takes longer than
-        STEP_DEADLINE_S.
+        no room before the KV deadline, WorkerStalledError if this replica's engine is
+        stuck in a step (``max_step_s``; the router migrates the request), TimeoutError
+        if a token takes longer than max_step_s + STEP_DEADLINE_S.
         """
         request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
+        self.loop.raise_if_stalled()  # before fetching KV into a replica that cannot run it
         timeout_s = self.cfg.kv_transfer.timeout_s
         num_prompt = len(request.prompt_ids)
         if request.kv is None and request.first_token is None:  # colocated: prefill here, first token included
@@ -179,7 +181,7 @@ class DecodeServer:
         last = None
         try:
             while True:
-                item = await self.loop.next_output(queue, STEP_DEADLINE_S)
+                item = await self.loop.next_output(queue, self.pool_cfg.max_step_s + STEP_DEADLINE_S)
                 now = time.perf_counter()
                 if last is not None and item.token_ids:  # the first item's wait is TTFT-like: not counted
                     self.tpot.observe((now - last) / len(item.token_ids))
@@ -217,7 +219,7 @@ class DecodeServer:
 
     def check_health(self) -> None:
         """Ray Serve's health check: fails if the engine thread died or one step hangs."""
-        self.loop.check_health(self.pool_cfg.max_step_s)
+        self.loop.check_health()
 
     def __del__(self):
         if hasattr(self, "metrics"):

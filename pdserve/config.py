@@ -75,7 +75,13 @@ class PoolConfig:
     # a replica being scaled down or replaced gets this long to finish its requests (and,
     # in prefill, for decode to fetch its leased KV) before Ray Serve kills it
     graceful_shutdown_timeout_s: float = 60.0
-    max_step_s: float = 120.0  # one engine step running longer fails the health check (a hung forward)
+    # one engine step running longer is a hung forward: the replica's requests go elsewhere
+    # at once (WorkerStalledError) and it fails Ray Serve's health check, run every
+    # health_check_period_s (a check unanswered in health_check_timeout_s fails too);
+    # after 3 failures in a row Ray Serve replaces the replica
+    max_step_s: float = 120.0
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
     ray_actor_options: dict[str, Any] = field(
         default_factory=lambda: {"num_cpus": 1, "num_gpus": 0, "resources": {}}
     )
@@ -229,6 +235,9 @@ class ClusterConfig:
             for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "chunk_size"):
                 if not isinstance(getattr(pool, key), int) or getattr(pool, key) < 1:
                     raise ConfigError(f"{name}.{key} must be a positive integer")
+            for key in ("max_step_s", "health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s"):
+                if not isinstance(getattr(pool, key), (int, float)) or not getattr(pool, key) > 0:
+                    raise ConfigError(f"{name}.{key} must be > 0 seconds")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
                 raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")
             try:

@@ -29,6 +29,8 @@ def _pool_options(name: str, pool: PoolConfig) -> dict:
         "max_ongoing_requests": pool.max_ongoing_requests,
         "max_queued_requests": pool.max_queued_requests,
         "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
+        "health_check_period_s": pool.health_check_period_s,
+        "health_check_timeout_s": pool.health_check_timeout_s,
         "ray_actor_options": dict(pool.ray_actor_options),
     }
 

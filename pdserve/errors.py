@@ -53,6 +53,12 @@ class CapacityError(PDServeError):
         self.retry_after_s = retry_after_s
 
 
+class WorkerStalledError(PDServeError, RuntimeError):
+    """A worker's engine step has run longer than its pool's ``max_step_s`` (a hung
+    forward). The replica fails its health check and is replaced; the router treats the
+    error as a lost replica (prefill: sent again; decode: migrated)."""
+
+
 class AuthenticationError(PDServeError):
     """No API key, or the wrong one (maps to UNAUTHENTICATED / HTTP 401)."""
 

@@ -39,7 +39,7 @@ class PrefillServer:
         self.pool_cfg = self.cfg.prefill
         self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
         self.engine, fingerprint = build_engine(self.cfg, "prefill")
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s)
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or _node_ip(), fingerprint=fingerprint,
                                      block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path,
                                      cuda_ipc=self.engine.kv_cache.ipc_handles is not None,
@@ -51,7 +51,8 @@ class PrefillServer:
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Raises InvalidRequestError for a request that breaks the shared limits,
-        TimeoutError after PREFILL_DEADLINE_S."""
+        WorkerStalledError if this replica's engine is stuck in a step (the router sends
+        the request to another replica), TimeoutError after PREFILL_DEADLINE_S."""
         start, seq = time.perf_counter(), self._sequence(request)
         queue = self.loop.submit(seq)
         try:
@@ -133,7 +134,7 @@ class PrefillServer:
 
     def check_health(self) -> None:
         """Ray Serve's health check: fails if the engine thread died or one step hangs."""
-        self.loop.check_health(self.pool_cfg.max_step_s)
+        self.loop.check_health()
 
     def __del__(self):
         if hasattr(self, "metrics"):

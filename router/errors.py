@@ -6,7 +6,8 @@ import grpc
 
 from ray.serve.exceptions import BackPressureError
 
-from pdserve.errors import AuthenticationError, CapacityError, InvalidRequestError, KVAuthError, KVIncompatibleError, KVTransferError
+from pdserve.errors import (AuthenticationError, CapacityError, InvalidRequestError, KVAuthError, KVIncompatibleError, KVTransferError,
+                            WorkerStalledError)
 
 
 def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -27,6 +28,8 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, _message(exc)
     if isinstance(exc, KVTransferError):
         return grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {_message(exc)}"
+    if isinstance(exc, WorkerStalledError):  # every replica tried was stuck
+        return grpc.StatusCode.UNAVAILABLE, _message(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, _message(exc) or "deadline exceeded"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {_message(exc)}"

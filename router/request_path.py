@@ -1,12 +1,15 @@
 """One request's path through the pools: prefill -> KV hand-off -> streamed decode, and
 what happens when a replica dies on the way.
 
-- A prefill replica dies (its call fails with a Ray actor error): the prefill is sent
-  again, to another replica (Ray Serve drops the dead one), up to ``max_retries`` times.
-- A decode replica dies mid-stream: the request migrates. Another decode replica gets the
-  prompt plus every token already streamed, recomputes their KV (as a prefill) and goes on
-  from the next token, so the client's stream has no gap and no repeat. Up to
-  ``max_retries`` migrations per request.
+- A prefill replica dies (its call fails with a Ray actor error) or hangs (its engine
+  step outlasts ``max_step_s``: WorkerStalledError): the prefill is sent again, to another
+  replica.
+- A decode replica dies or hangs mid-stream: the request migrates. Another decode replica
+  gets the prompt plus every token already streamed, recomputes their KV (as a prefill)
+  and goes on from the next token, so the client's stream has no gap and no repeat.
+
+How many times and how far apart: router/retries.py (``max_retries`` per stage for dead
+replicas; for a hung one, until Ray Serve's health checks have taken it out of routing).
 
 With ``kv_transfer.layerwise`` the decode call starts as soon as prefill has scheduled
 the prompt (``PrefillStarted``), so decode fetches each layer's KV while later layers
@@ -15,7 +18,9 @@ first token reached decode is resent to decode with the token (``FirstTokenMissi
 which recomputes the prompt there, as a migration does.
 
 Every stage has a deadline in the worker that runs it: prefill ``PREFILL_DEADLINE_S``,
-the KV fetch ``kv_transfer.timeout_s``, each decode token ``STEP_DEADLINE_S``.
+the KV fetch ``kv_transfer.timeout_s``, each decode token ``max_step_s + STEP_DEADLINE_S``;
+and a worker whose engine step outlasts its pool's ``max_step_s`` fails its requests
+with WorkerStalledError at once (retried or migrated as above).
 """
 
 from __future__ import annotations
@@ -27,21 +32,25 @@ from typing import Any, AsyncIterator
 
 from ray.exceptions import RayActorError
 
-from pdserve.errors import FirstTokenMissingError
+from pdserve.errors import FirstTokenMissingError, WorkerStalledError
 from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk
 from pdserve.sampling import SamplingParams
+from router.retries import Attempts, RetryPolicy
 
 log = logging.getLogger(__name__)
 
-REPLICA_GONE = (RayActorError,)  # the replica's actor died or cannot be reached (ActorDiedError, ActorUnavailableError)
+# the replica's actor died or cannot be reached (ActorDiedError, ActorUnavailableError),
+# or its engine is stuck in a step (it fails its health check and is being replaced)
+REPLICA_GONE = (RayActorError, WorkerStalledError)
 
 
 class RequestPath:
-    """``prefill``/``decode``: Ray Serve deployment handles (``prefill`` None in colocated mode)."""
+    """``prefill``/``decode``: Ray Serve deployment handles (``prefill`` None in colocated
+    mode); ``prefill_retries``/``decode_retries``: when each stage is sent again (router/retries.py)."""
 
-    def __init__(self, prefill, decode, max_retries: int, backoff_s: float, layerwise: bool = False):
+    def __init__(self, prefill, decode, prefill_retries: RetryPolicy, decode_retries: RetryPolicy, layerwise: bool = False):
         self.prefill, self.decode = prefill, decode
-        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.prefill_retries, self.decode_retries = prefill_retries, decode_retries
         self.layerwise = layerwise
         self.num_prefill_retries = 0
         self.num_migrations = 0
@@ -90,8 +99,8 @@ class RequestPath:
         """Stream ``request`` from the decode pool; if the replica dies, migrate (see above).
         ``streamed``: the tokens the client already has (the first one, in disaggregated mode).
         ``call``: the decode call already started for it (layer-wise), if any."""
-        streamed = list(streamed)
-        for migration in range(self.max_retries + 1):
+        streamed, attempts = list(streamed), Attempts(self.decode_retries)
+        while True:
             stream, call, finished = call or self.decode.options(stream=True).generate.remote(request), None, False
             try:
                 async for item in stream:
@@ -102,18 +111,18 @@ class RequestPath:
                         return
                 return
             except (*REPLICA_GONE, FirstTokenMissingError) as e:
-                if migration == self.max_retries or (isinstance(e, FirstTokenMissingError) and not streamed):
+                resend = isinstance(e, FirstTokenMissingError)
+                if resend and not streamed:
                     raise
-                if isinstance(e, FirstTokenMissingError):
+                if request.kv is not None:  # it may have died before fetching: free prefill's copy now
+                    self._release(request.kv.transfer_id)
+                await attempts.before_retry(e, wait=not resend)  # re-raises when out of attempts
+                if resend:
                     self.num_resent += 1
                     log.warning("layer-wise KV for %s broke before its first token (%s); resending it with the token", request.request_id, e)
                 else:
                     self.num_migrations += 1
-                    log.warning("decode replica lost mid-stream for %s after %d tokens (%s); migrating", request.request_id, len(streamed), type(e).__name__)
-                if request.kv is not None:  # it may have died before fetching: free prefill's copy now
-                    self._release(request.kv.transfer_id)
-                if not isinstance(e, FirstTokenMissingError):
-                    await asyncio.sleep(self.backoff_s)
+                    log.warning("decode replica lost for %s after %d tokens (%s); migrating", request.request_id, len(streamed), type(e).__name__)
                 if streamed:  # go on after what the client has; with nothing yet (colocated), send it again as it was
                     request = DecodeRequest(request.request_id, request.prompt_ids, streamed[0], request.params, None, tuple(streamed[1:]))
             finally:
@@ -126,7 +135,8 @@ class RequestPath:
         Each call is a child of this request, so Ray Serve cancels it when the request is
         cancelled. If the request is cancelled while the reply is on its way (prefill done,
         KV leased), the lease is released when the reply lands instead of left to expire."""
-        for attempt in range(self.max_retries + 1):
+        attempts = Attempts(self.prefill_retries)
+        while True:
             call = asyncio.ensure_future(self.prefill.prefill.remote(request))
             try:
                 return await asyncio.shield(call)
@@ -135,23 +145,21 @@ class RequestPath:
                 call.add_done_callback(self._release_orphan)
                 raise
             except REPLICA_GONE as e:
-                await self._before_prefill_retry(request, e, attempt)
-        raise AssertionError("unreachable")
+                await self._before_prefill_retry(request, e, attempts)
 
-    async def _before_prefill_retry(self, request: PrefillRequest, error: BaseException, attempt: int) -> None:
-        """A prefill replica died: re-raise ``error`` if ``attempt`` was the last one, else
-        count the retry and back off (``retry_backoff_s`` x 2^attempt)."""
-        if attempt == self.max_retries:
-            raise error
+    async def _before_prefill_retry(self, request: PrefillRequest, error: BaseException, attempts: Attempts) -> None:
+        """A prefill replica died or stalled: re-raise ``error`` if ``attempts`` are used up,
+        else back off and count the retry."""
+        await attempts.before_retry(error)
         self.num_prefill_retries += 1
         log.warning("prefill replica lost for %s (%s); retrying on another", request.request_id, type(error).__name__)
-        await asyncio.sleep(self.backoff_s * 2**attempt)
 
     async def _prefill_layerwise(self, request: PrefillRequest) -> tuple[PrefillResult, Any]:
         """Prefill with the decode call started as soon as prefill has scheduled the prompt
         (``PrefillStarted``). Returns (PrefillResult, the decode call or None). A prefill
         replica that dies is retried as in ``_prefill``, after its decode call is stopped."""
-        for attempt in range(self.max_retries + 1):
+        attempts = Attempts(self.prefill_retries)
+        while True:
             calls, decode, handle = self.prefill.options(stream=True).prefill_layerwise.remote(request), None, None
             try:
                 item = await calls.__anext__()
@@ -169,8 +177,7 @@ class RequestPath:
                     self._release(handle.transfer_id)
                 if not isinstance(e, REPLICA_GONE):
                     raise
-                await self._before_prefill_retry(request, e, attempt)
-        raise AssertionError("unreachable")
+                await self._before_prefill_retry(request, e, attempts)
 
     def _release_orphan(self, call: asyncio.Future) -> None:
         self._background.discard(call)

@@ -37,6 +37,7 @@ from pdserve.worker import max_model_len
 from router.admission import Admission, metadata_value
 from router.errors import grpc_status_for, retry_after_s
 from router.request_path import RequestPath
+from router.retries import RetryPolicy
 from router.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,11 @@ class Router:
         r = self.cfg.router
         self.admission = Admission(r.max_in_flight, r.retry_after_s, r.max_request_bytes, self.cfg.security.api_key)
         # prefill: DeploymentHandle of PrefillServer (None in colocated mode); decode: of DecodeServer
-        self.path = RequestPath(prefill, decode, r.max_retries, r.retry_backoff_s, self.cfg.kv_transfer.layerwise)
+        decode_pool = self.cfg.colocated if self.cfg.mode == "colocated" else self.cfg.decode
+        self.path = RequestPath(prefill, decode,
+                                RetryPolicy.for_pool(self.cfg.prefill, r.max_retries, r.retry_backoff_s, exponential=True),
+                                RetryPolicy.for_pool(decode_pool, r.max_retries, r.retry_backoff_s, exponential=False),
+                                self.cfg.kv_transfer.layerwise)
 
     # -- parsing ---------------------------------------------------------------
 

@@ -146,29 +146,81 @@ def test_loop_streams_and_abort_frees_blocks():
     assert_all_blocks_free(engine)
 
 
-def test_a_hung_step_fails_the_health_check_and_a_live_loop_passes_it():
+def test_a_hung_step_fails_the_health_check_and_its_requests_and_a_live_loop_passes_it():
     import time
 
+    from pdserve.errors import WorkerStalledError
+
     engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=16, block_size=4), EOS, 512)
-    loop = EngineLoop(engine)
-    loop.check_health(max_step_s=1.0)  # idle: the loop comes round every 0.5 s at most
+    loop = EngineLoop(engine, max_step_s=1.0)
+    loop.check_health()  # idle: the loop comes round every 0.5 s at most
     step, release = engine.step, threading.Event()
     engine.step = lambda: (release.wait(10), step())[1]  # the next forward hangs until released
 
-    async def submit():
-        loop.submit(Sequence("h", random_prompts([5])[0], 5, SamplingParams(max_tokens=2, ignore_eos=True)))
+    async def hang():
+        seq = Sequence("h", random_prompts([5])[0], 5, SamplingParams(max_tokens=2, ignore_eos=True))
+        queue = loop.submit(seq)
+        start = time.monotonic()
+        with pytest.raises(WorkerStalledError, match="engine step stuck"):  # its waiting request is told at once
+            await loop.next_output(queue, timeout_s=30)
+        assert 1.0 < time.monotonic() - start < 3.5
+        with pytest.raises(WorkerStalledError):  # and a new one is refused
+            loop.submit(Sequence("new", random_prompts([5])[0], 5, SamplingParams(max_tokens=2)))
+        with pytest.raises(RuntimeError, match="engine step stuck"):  # Ray Serve's health check fails
+            loop.check_health()
+        loop.abort(seq)
 
-    asyncio.run(submit())
-    time.sleep(0.6)
-    with pytest.raises(RuntimeError, match="engine step stuck"):
-        loop.check_health(max_step_s=0.5)
+    asyncio.run(hang())
     release.set()
     time.sleep(0.3)
-    loop.check_health(max_step_s=0.5)
+    loop.check_health()
     loop.close()
     time.sleep(0.6)
     with pytest.raises(RuntimeError, match="engine thread has stopped"):
-        loop.check_health(max_step_s=0.5)
+        loop.check_health()
+    assert_all_blocks_free(engine)
+
+
+def test_next_output_times_out_on_a_live_loop_without_calling_it_stalled():
+    engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=16, block_size=4), EOS, 512)
+    loop = EngineLoop(engine, max_step_s=0.5)
+
+    async def wait():
+        with pytest.raises(TimeoutError) as e:  # nothing was submitted to this queue: a plain deadline
+            await loop.next_output(asyncio.Queue(), timeout_s=1.5)
+        assert type(e.value) is TimeoutError
+
+    asyncio.run(wait())
+    loop.close()
+
+
+def test_the_fault_injection_file_hangs_exactly_one_loop(tmp_path, monkeypatch):
+    import time
+
+    from pdserve.engine.loop import HANG_FILE_ENV
+
+    trigger = tmp_path / "hang"
+    monkeypatch.setenv(HANG_FILE_ENV, str(trigger))
+    engines = [Engine(tiny_model("llama"), EngineConfig(num_blocks=16, block_size=4), EOS, 512) for _ in range(2)]
+    loops = [EngineLoop(e, max_step_s=0.5) for e in engines]
+    trigger.write_text("")
+
+    async def run_both():
+        seqs = [Sequence(f"s{i}", random_prompts([5])[0], 5, SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(2)]
+        queues = [loop.submit(s) for loop, s in zip(loops, seqs)]
+        results = await asyncio.gather(*(loop.next_output(q, 10) for loop, q in zip(loops, queues)), return_exceptions=True)
+        for loop, seq in zip(loops, seqs):
+            loop.abort(seq)
+        return results
+
+    results = asyncio.run(run_both())
+    assert sorted(type(r).__name__ for r in results) == ["TokenChunk", "WorkerStalledError"]
+    assert not trigger.exists() and len(list(tmp_path.glob("hang.taken-by-*"))) == 1
+    for loop in loops:
+        loop.close()
+    time.sleep(0.6)
+    live = engines[[type(r).__name__ for r in results].index("TokenChunk")]
+    assert_all_blocks_free(live)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

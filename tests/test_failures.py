@@ -1,13 +1,17 @@
 """Worker failures on a real cluster (issue 7): real replica actors are killed while
 requests run. A prefill replica that dies mid-request: the router sends the prefill to the
 other replica. A decode replica that dies mid-stream: the request migrates (prompt + tokens
-streamed so far recomputed on the other replica). Either way the client sees no error and
-the greedy output equals the reference, with no token missing or repeated (float32)."""
+streamed so far recomputed on the other replica). A decode replica whose forward hangs:
+its streams migrate once the step outlasts max_step_s, it fails its health check and Ray
+Serve replaces it alone. Each way the client sees no error and the greedy output equals the
+reference, with no token missing or repeated (float32)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,13 +22,18 @@ from conftest import reference_generate, serve_cluster
 pytestmark = pytest.mark.e2e
 GRPC_PORT, HTTP_PORT = 9170, 8170
 TWO = {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2}, "ray_actor_options": {"num_cpus": 0.5}, "kv_cache_tokens": 8192}
+HANG_FILE = Path(f"/tmp/pdserve-test-hang-{os.getpid()}")  # a decode replica that finds it hangs (pdserve/engine/loop.py)
+DECODE = {
+    **TWO, "max_num_batched_tokens": 512, "max_step_s": 20, "health_check_period_s": 1, "health_check_timeout_s": 5,
+    "ray_actor_options": {"num_cpus": 0.5, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HANG_FILE": str(HANG_FILE)}}},
+}
 
 
 @pytest.fixture(scope="module")
 def cluster():
     yield from serve_cluster({
         "model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "retry_backoff_s": 0.2},
-        "prefill": TWO, "decode": TWO,
+        "prefill": TWO, "decode": DECODE,
     })
 
 
@@ -88,10 +97,11 @@ def test_a_prefill_replica_killed_mid_request_is_retried_on_the_other(cluster, m
     wait_for_two_running()
 
 
-def test_a_decode_replica_killed_mid_stream_migrates_without_gaps_or_repeats(cluster, model):
-    wait_for_two_running()
+def stream_through(cluster, model, fault, seed: int) -> None:
+    """Stream 4 requests, call ``fault()`` once each has 5 tokens, then check every stream
+    equals the reference and at least one migrated."""
     before = router_stats()["num_migrations"]
-    prompts = [prompt(i + 10, 30 + 5 * i) for i in range(4)]
+    prompts = [prompt(i + seed, 30 + 5 * i) for i in range(4)]
     got: list[list[int]] = [[] for _ in prompts]
     started = [threading.Event() for _ in prompts]
 
@@ -106,10 +116,37 @@ def test_a_decode_replica_killed_mid_stream_migrates_without_gaps_or_repeats(clu
         t.start()
     for e in started:
         assert e.wait(120)
-    kill_one("decode")
+    fault()
     for t in threads:
         t.join(300)
     for p, tokens in zip(prompts, got):
         assert tokens == reference_generate(model, p, 40, ignore_eos=True)
     assert router_stats()["num_migrations"] > before
+
+
+def test_a_decode_replica_killed_mid_stream_migrates_without_gaps_or_repeats(cluster, model):
     wait_for_two_running()
+    stream_through(cluster, model, lambda: kill_one("decode"), seed=10)
+    wait_for_two_running()
+
+
+def test_a_decode_replica_whose_forward_hangs_is_replaced_alone_and_its_streams_migrate(cluster, model):
+    wait_for_two_running()
+    decode_before, prefill_before = set(replicas("decode")), replicas("prefill")
+    try:
+        stream_through(cluster, model, HANG_FILE.touch, seed=20)  # the first decode replica to step next hangs
+        taken = list(HANG_FILE.parent.glob(f"{HANG_FILE.name}.taken-by-*"))
+        assert len(taken) == 1 and not HANG_FILE.exists()
+        deadline = time.monotonic() + 180  # hung 20 s (max_step_s), 3 failed checks 1 s apart, a new replica loads
+        while time.monotonic() < deadline and set(replicas("decode")) & decode_before == decode_before:
+            time.sleep(1)
+        wait_for_two_running()
+        survivors = set(replicas("decode")) & decode_before
+        assert len(survivors) == 1 and len(replicas("decode")) == 2  # the hung one replaced, its peer kept
+        assert replicas("prefill") == prefill_before  # and no prefill replica went with it
+    finally:
+        HANG_FILE.unlink(missing_ok=True)
+        for path in HANG_FILE.parent.glob(f"{HANG_FILE.name}.taken-by-*"):
+            path.unlink()
+    p = prompt(30, 50)  # the pool serves again, exactly
+    assert cluster.generate(prompt_token_ids=p, max_tokens=8, ignore_eos=True, timeout_s=120).token_ids == reference_generate(model, p, 8, ignore_eos=True)

@@ -3,25 +3,44 @@
 Requests are submitted from the replica's event loop; each gets an asyncio.Queue
 of TokenChunk (or an exception). Aborts are queued and applied between steps,
 so the event loop never waits for a forward.
+
+A step that runs longer than ``max_step_s`` (a hung forward) fails the replica's Ray
+Serve health check, and every request waiting on this loop, and every new one, gets
+``WorkerStalledError`` at once: the router sends them to another replica while Ray Serve
+replaces this one.
+
+Fault injection for tests: with ``PDSERVE_FAULT_HANG_FILE`` set in a replica's
+environment, the first loop to find that file there takes it (renames it, so one replica
+of the pool does) and hangs in its next step until closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import Sequence, SeqStatus
+from pdserve.errors import WorkerStalledError
 from pdserve.messages import TokenChunk
 
 log = logging.getLogger(__name__)
 
 
+HANG_FILE_ENV = "PDSERVE_FAULT_HANG_FILE"
+STALL_POLL_S = 1.0  # a waiting request checks this often whether the loop is stuck
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine):
+    """``max_step_s``: seconds one step may run before the loop counts as stalled."""
+
+    def __init__(self, engine: Engine, max_step_s: float = 120.0):
         self.engine = engine
+        self.max_step_s = max_step_s
+        self._hang_file = os.environ.get(HANG_FILE_ENV)
         self._outputs: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._aborts: list[Sequence] = []
         self._lock = threading.Lock()  # guards _aborts
@@ -34,8 +53,10 @@ class EngineLoop:
     def submit(self, seq: Sequence) -> asyncio.Queue:
         """Queue ``seq``; call from the event loop that reads the returned queue.
 
-        Raises InvalidRequestError if the sequence could never fit in the KV pool.
+        Raises InvalidRequestError if the sequence could never fit in the KV pool,
+        WorkerStalledError if a step is stuck.
         """
+        self.raise_if_stalled()
         queue: asyncio.Queue = asyncio.Queue()
         self._outputs[seq.request_id] = (queue, asyncio.get_running_loop())
         try:
@@ -57,13 +78,22 @@ class EngineLoop:
             self._aborts.append(seq)
         self._wake.set()
 
-    @staticmethod
-    async def next_output(queue: asyncio.Queue, timeout_s: float) -> TokenChunk:
+    async def next_output(self, queue: asyncio.Queue, timeout_s: float) -> TokenChunk:
         """The next chunk from a ``submit`` queue; re-raises a failed step's exception.
 
-        Raises TimeoutError after ``timeout_s`` seconds.
+        Raises TimeoutError after ``timeout_s`` seconds, WorkerStalledError once a step
+        has been stuck for ``max_step_s`` (checked every STALL_POLL_S of waiting).
         """
-        item = await asyncio.wait_for(queue.get(), timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=max(0.0, min(left, STALL_POLL_S)))
+                break
+            except TimeoutError:
+                self.raise_if_stalled()
+                if left <= STALL_POLL_S:
+                    raise
         if isinstance(item, BaseException):
             raise item
         return item
@@ -75,14 +105,27 @@ class EngineLoop:
         """Seconds since the loop last came round: long only while one step is stuck."""
         return time.monotonic() - self._heartbeat
 
-    def check_health(self, max_step_s: float) -> None:
-        """For Ray Serve's health check: raises RuntimeError if the loop thread died or one
-        step has run longer than ``max_step_s`` seconds (a hung forward). Ray Serve then
-        replaces this replica alone; its peers see failed calls, which they retry or recompute."""
+    def check_health(self) -> None:
+        """For Ray Serve's health check: raises RuntimeError if the loop thread died, or
+        WorkerStalledError (a RuntimeError) if one step has run longer than ``max_step_s``
+        seconds (a hung forward). Ray Serve then replaces this replica alone; its peers see
+        failed calls, which they retry, migrate or recompute."""
         if not self.is_alive():
             raise RuntimeError("engine thread has stopped")
-        if self.stalled_s() > max_step_s:
-            raise RuntimeError(f"engine step stuck for {self.stalled_s():.0f} s (over {max_step_s:g} s)")
+        self.raise_if_stalled()
+
+    def raise_if_stalled(self) -> None:
+        """Raises WorkerStalledError if the current step has run over ``max_step_s``."""
+        stalled_s = self.stalled_s()
+        if stalled_s > self.max_step_s:
+            raise WorkerStalledError(f"engine step stuck for {stalled_s:.0f} s (over max_step_s {self.max_step_s:g} s)")
+
+    def _take_hang_file(self) -> bool:
+        try:
+            os.rename(self._hang_file, f"{self._hang_file}.taken-by-{os.getpid()}")
+        except OSError:  # not there, or another replica took it
+            return False
+        return True
 
     def close(self) -> None:
         self._stop.set()
@@ -113,6 +156,10 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             steps_before = self.engine.num_steps
+            if self._hang_file and self._take_hang_file():
+                log.error("fault injection (%s): this engine step hangs", HANG_FILE_ENV)
+                self._stop.wait()
+                return
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a failed forward fails the requests in it, not the worker
