@@ -2,7 +2,8 @@
 
 Wire format (proto/pdserve/rpc/kv.proto; chunks encoded by kv_transfer/wire.py): one
 KVHeader (dtype, shape, block size, number of chunks), then one KVChunk per (layer, token
-range), each at most ``chunk_bytes`` of
+range), or per group of whole layers when a layer's KV is far below ``chunk_bytes`` (a
+short prompt: gRPC costs ~0.2 ms per message here), each at most ``chunk_bytes`` of
 key+value payload and protected by an XXH3-64 checksum (the xxhash library, ~20 GB/s
 here against zlib CRC32's 2-4) that the receiver checks before use.
 """
@@ -51,8 +52,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size: int = 0, faults: FaultInjector | None = None,
                 deadline: float = math.inf, alive: Callable[[], bool] | None = None):
-    """Yield the FetchKV stream of ``source``: a header (a message), then per layer chunks of at
-    most ``chunk_bytes``, each already encoded (bytes, kv_transfer/wire.py).
+    """Yield the FetchKV stream of ``source``: a header (a message), then chunks of at most
+    ``chunk_bytes`` (per layer and token range, or per group of whole layers for a short
+    prompt), each already encoded (bytes, kv_transfer/wire.py).
 
     A source still being computed (``source.streamed``, kv_transfer/progress.py) is sent
     layer-wise: each chunk as soon as prefill has written it, then a KVTrailer with the
@@ -63,31 +65,39 @@ def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size
     tokens_per_chunk = max(1, chunk_bytes // bytes_per_layer_token)
     if block_size and tokens_per_chunk >= block_size:  # block-aligned chunks go out without a gather
         tokens_per_chunk -= tokens_per_chunk % block_size
+    # a short prompt: several whole layers per chunk (fewer messages, each costs ~0.2 ms here);
+    # not layer-wise, where each layer goes out as soon as it is written
+    whole = tokens_per_chunk >= num_tokens and not source.streamed
+    layers_per_chunk = max(1, chunk_bytes // (max(1, num_tokens) * bytes_per_layer_token)) if whole else 1
     starts = range(0, num_tokens, tokens_per_chunk)
+    groups = range(0, spec.num_layers, layers_per_chunk)
     corrupt = faults is not None and faults.take("corrupt")
     yield kv_pb2.FetchKVResponse(
         header=kv_pb2.KVHeader(
             transfer_id=transfer_id, dtype=dtype_name(spec.dtype), num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_tokens=num_tokens,
-            num_chunks=spec.num_layers * len(starts), block_size=block_size, layerwise=source.streamed,
+            num_chunks=len(groups) * len(starts), block_size=block_size, layerwise=source.streamed,
         )
     )
-    for layer in range(spec.num_layers):
+    for first in groups:
+        layers = range(first, min(first + layers_per_chunk, spec.num_layers))
         for start in starts:
             end = min(start + tokens_per_chunk, num_tokens)
-            source.wait_layer(layer, end, deadline, alive)  # layer-wise: until prefill has written it ...
+            source.wait_layer(layers[-1], end, deadline, alive)  # layer-wise: until prefill has written it ...
             with source.reading():  # ... and copied out before a preemption can free it
-                views = source.pieces(layer, start, end) if hasattr(source, "pieces") else None
-                if views is not None:  # straight from the pool's blocks: one copy, into the message
-                    key, value = views
-                else:  # gathered: [kv_heads, n, head_dim] each
-                    k, v = source.read(layer, start, end)
-                    key, value = _buffer(k), _buffer(v)
+                key, value = [], []
+                for layer in layers:
+                    views = source.pieces(layer, start, end) if hasattr(source, "pieces") else None
+                    if views is None:  # gathered: [kv_heads, n, head_dim] each
+                        k, v = source.read(layer, start, end)
+                        views = [_buffer(k)], [_buffer(v)]
+                    key += views[0]  # straight from the pool's blocks: one copy, into the message
+                    value += views[1]
                 digest = payload_checksum(key, value)
                 if corrupt:  # injected: one flipped byte after the checksum was taken
-                    flat = b"".join(key) if isinstance(key, list) else bytes(key)
+                    flat = b"".join(key)
                     key, corrupt = bytes([flat[0] ^ 0xFF]) + flat[1:], False
-                message = encode_chunk(layer, start, end - start, key, value, digest)
+                message = encode_chunk(first, start, end - start, key, value, digest, len(layers))
             yield message
     if source.streamed:
         yield kv_pb2.FetchKVResponse(trailer=kv_pb2.KVTrailer(first_token=source.wait_first_token(deadline, alive)))
@@ -130,16 +140,17 @@ def receive_stream(stream, handle: KVHandle, sink: KVSink, cancel: threading.Eve
         chunk = msg if isinstance(msg, ChunkView) else msg.chunk
         if payload_checksum(chunk.key, chunk.value) != chunk.xxh3:
             raise KVTransferError(f"KV chunk (layer {chunk.layer}, token {chunk.start_token}) failed its checksum")
-        end = chunk.start_token + chunk.num_tokens
-        if chunk.layer >= spec.num_layers or end > handle.num_tokens:
-            raise KVTransferError(f"KV chunk (layer {chunk.layer}, tokens {chunk.start_token}:{end}) is out of range")
-        expected = chunk.num_tokens * row_bytes
+        end, num_layers = chunk.start_token + chunk.num_tokens, max(1, chunk.num_layers)
+        if chunk.layer + num_layers > spec.num_layers or end > handle.num_tokens:
+            raise KVTransferError(f"KV chunk (layers {chunk.layer}+{num_layers}, tokens {chunk.start_token}:{end}) is out of range")
+        expected = num_layers * chunk.num_tokens * row_bytes
         if len(chunk.key) != expected or len(chunk.value) != expected:
             raise KVTransferError(f"KV chunk (layer {chunk.layer}) has {len(chunk.key)} bytes, expected {expected}")
-        shape = (spec.num_kv_heads, chunk.num_tokens, spec.head_dim)
-        k = torch.frombuffer(chunk.key, dtype=spec.dtype).view(shape)  # [kv_heads, n, head_dim]
+        shape = (num_layers, spec.num_kv_heads, chunk.num_tokens, spec.head_dim)
+        k = torch.frombuffer(chunk.key, dtype=spec.dtype).view(shape)  # [layers, kv_heads, n, head_dim]
         v = torch.frombuffer(chunk.value, dtype=spec.dtype).view(shape)
-        sink.write(chunk.layer, chunk.start_token, k, v)
+        for i in range(num_layers):
+            sink.write(chunk.layer + i, chunk.start_token, k[i], v[i])
         num_chunks += 1
         nbytes += 2 * expected
     if num_chunks != header.num_chunks:

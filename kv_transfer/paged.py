@@ -10,6 +10,9 @@ from kv_transfer.base import KVSink, KVSource
 from pdserve.engine.kv_cache import PagedKVCache
 
 
+MAX_RUNS = 8  # a chunk whose blocks form more runs is gathered in one copy instead (Python cost per piece)
+
+
 def _runs(block_table: list[int], start: int, end: int, block_size: int) -> list[list[int]]:
     """[first slot, tokens] per run of consecutive blocks covering tokens [start, end); start block-aligned."""
     runs: list[list[int]] = []
@@ -37,19 +40,33 @@ class PagedKVSource(KVSource):
         return self.kv_cache.read(layer, self._slots[start:end])
 
     def pieces(self, layer: int, start: int, end: int) -> tuple[list[memoryview], list[memoryview]] | None:
-        """Tokens [start, end) of ``layer`` as the pool's own memory, no copy: per K and V, one
-        memoryview per (kv head, block), in the [kv_heads, tokens, head_dim] byte order of
-        ``read``. None unless ``start`` is block-aligned (then any ``end`` works)."""
+        """Tokens [start, end) of ``layer`` as buffers in the [kv_heads, tokens, head_dim] byte
+        order of ``read``: per K and V, one memoryview per (kv head, run of consecutive
+        blocks) of the pool's own memory (no copy); or, when the blocks are scattered into
+        more than MAX_RUNS runs, per kv head one view of a copy gathered in one index_select.
+        None unless ``start`` is block-aligned (then any ``end`` works)."""
         bs = self.kv_cache.block_size
         if start % bs or self.kv_cache.k.device.type != "cpu":
             return None
+        runs = _runs(self.block_table, start, end, bs)  # fewer, longer pieces
+        if len(runs) > MAX_RUNS:
+            return self._gathered(layer, start, end)
         row = self.spec.head_dim * self.spec.dtype.itemsize  # bytes of one token of one head
         slots = self.kv_cache.num_blocks * bs
-        runs = _runs(self.block_table, start, end, bs)  # fewer, longer pieces
         out = []
         for pool in (self.kv_cache.k[layer], self.kv_cache.v[layer]):  # [kv_heads, slots, head_dim]
             mv = memoryview(pool.view(torch.uint8).numpy()).cast("B")
             out.append([mv[(h * slots + s) * row : (h * slots + s + n) * row] for h in range(self.spec.num_kv_heads) for s, n in runs])
+        return out[0], out[1]
+
+    def _gathered(self, layer: int, start: int, end: int) -> tuple[list[memoryview], list[memoryview]]:
+        bs, heads = self.kv_cache.block_size, self.spec.num_kv_heads
+        ids = torch.tensor(self.block_table[start // bs : -(-end // bs)], dtype=torch.long)
+        out = []
+        for pool in (self.kv_cache.k[layer], self.kv_cache.v[layer]):
+            rows = pool.view(heads, self.kv_cache.num_blocks, -1).view(torch.uint8)  # [kv_heads, num_blocks, block bytes]
+            blocks = torch.index_select(rows, 1, ids).view(heads, -1)[:, : (end - start) * rows.shape[-1] // bs]
+            out.append([memoryview(blocks[h].numpy()) for h in range(heads)])
         return out[0], out[1]
 
     def release(self) -> None:
@@ -64,14 +81,15 @@ class PagedKVSink(KVSink):
         self.spec = kv_cache.spec
         self.block_table = block_table
         self._slots = kv_cache.slots(block_table, 0, num_tokens)  # [num_tokens]
+        self._block_ids = torch.tensor(block_table, dtype=torch.long, device=kv_cache.device)  # [num_blocks]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [kv_heads, n, head_dim], tokens [start, start + n) of ``layer``."""
         n, bs = k.shape[1], self.kv_cache.block_size
-        if start % bs:  # not block-aligned: a scatter by slot
-            self.kv_cache.write(layer, self._slots[start : start + n], k, v)
-            return
-        offset = 0  # block-aligned: one strided copy per run of consecutive blocks
-        for slot, count in _runs(self.block_table, start, start + n, bs):
-            self.kv_cache.k[layer][:, slot : slot + count].copy_(k[:, offset : offset + count])
-            self.kv_cache.v[layer][:, slot : slot + count].copy_(v[:, offset : offset + count])
-            offset += count
+        full = 0 if start % bs else n // bs  # whole blocks from a block-aligned start: one copy per pool
+        if full:
+            first = start // bs
+            self.kv_cache.write_blocks(layer, self._block_ids[first : first + full], k[:, : full * bs], v[:, : full * bs])
+        if full * bs < n:  # the rest (a partial last block, or an unaligned start): a scatter by slot
+            done = full * bs
+            self.kv_cache.write(layer, self._slots[start + done : start + n], k[:, done:], v[:, done:])

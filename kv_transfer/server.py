@@ -67,7 +67,8 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
                              deadline=_deadline(context), alive=context.is_active)
         try:
             for i, message in enumerate(chunks):
-                if broken and i == 2:
+                num_chunks = message.header.num_chunks if i == 0 else num_chunks
+                if broken and i == min(2, num_chunks):  # after the header and a chunk, if there are two
                     context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: stream broken mid-transfer")
                 yield message
         except PrefillEndedError as e:  # layer-wise: the request ended at its first token

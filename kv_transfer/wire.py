@@ -33,7 +33,7 @@ def _tag(field: int, wire_type: int) -> bytes:
     return _varint(field << 3 | wire_type)
 
 
-def encode_chunk(layer: int, start_token: int, num_tokens: int, key, value, xxh3: int) -> bytes:
+def encode_chunk(layer: int, start_token: int, num_tokens: int, key, value, xxh3: int, num_layers: int = 1) -> bytes:
     """A serialized ``FetchKVResponse{chunk: KVChunk{...}}``. key, value: a buffer (bytes,
     memoryview) or a list of buffers whose concatenation is the field's bytes."""
     key = key if isinstance(key, list) else [key]
@@ -42,7 +42,7 @@ def encode_chunk(layer: int, start_token: int, num_tokens: int, key, value, xxh3
     head = b"".join([_tag(1, _VARINT), _varint(layer), _tag(2, _VARINT), _varint(start_token),
                      _tag(3, _VARINT), _varint(num_tokens), _tag(4, _LEN), _varint(key_len)])
     mid = _tag(5, _LEN) + _varint(value_len)
-    tail = _tag(7, _FIXED64) + struct.pack("<Q", xxh3)
+    tail = _tag(7, _FIXED64) + struct.pack("<Q", xxh3) + (_tag(8, _VARINT) + _varint(num_layers) if num_layers > 1 else b"")
     body_len = len(head) + key_len + len(mid) + value_len + len(tail)
     return b"".join([_tag(2, _LEN), _varint(body_len), head, *key, mid, *value, tail])
 
@@ -54,6 +54,7 @@ class ChunkView:
     layer: int = 0
     start_token: int = 0
     num_tokens: int = 0
+    num_layers: int = 0  # 0 means 1
     key: memoryview = memoryview(b"")
     value: memoryview = memoryview(b"")
     xxh3: int = 0
@@ -87,6 +88,8 @@ def decode_response(data: bytes) -> kv_pb2.FetchKVResponse | ChunkView:
                 value, pos = _read_varint(buf, pos)
                 if field in (1, 2, 3):
                     setattr(chunk, ("layer", "start_token", "num_tokens")[field - 1], value)
+                elif field == 8:
+                    chunk.num_layers = value
             elif wire_type == _FIXED64:
                 if field == 7:
                     chunk.xxh3 = struct.unpack_from("<Q", buf, pos)[0]

@@ -13,7 +13,7 @@ from kv_transfer import shm_backend, wire
 from kv_transfer.base import KVHandle, TensorKVSink, TensorKVSource
 from kv_transfer.client import KVClient
 from kv_transfer.fingerprint import KVFingerprint
-from kv_transfer.grpc_backend import iter_chunks
+from kv_transfer.grpc_backend import iter_chunks, receive_stream
 from kv_transfer.lease import LeaseTable
 from kv_transfer.loopback import LoopbackKVReceiver, LoopbackKVSender
 from kv_transfer.paged import PagedKVSource
@@ -80,6 +80,20 @@ def test_chunks_respect_the_byte_budget_and_are_standard_protobuf():
         assert (c.layer, c.start_token, c.num_tokens, c.key, c.value, c.xxh3) == (v.layer, v.start_token, v.num_tokens, bytes(v.key), bytes(v.value), v.xxh3)
     first = chunks[0]
     assert first.key == source.kv[0, 0, :, : first.num_tokens].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_a_short_prompt_goes_in_groups_of_whole_layers():
+    spec = KVSpec(num_layers=7, num_kv_heads=2, head_dim=8, dtype=torch.float32)  # 128 bytes per layer-token
+    source = random_kv(spec, 3)
+    messages = list(iter_chunks("x", source, chunk_bytes=1024, block_size=16))  # 2 layers of 3 tokens per chunk
+    chunks = [wire.decode_response(m) for m in messages[1:]]
+    assert messages[0].header.num_chunks == len(chunks) == 4
+    assert [(c.layer, c.num_layers, c.start_token, c.num_tokens) for c in chunks] == [(0, 2, 0, 3), (2, 2, 0, 3), (4, 2, 0, 3), (6, 0, 0, 3)]
+    assert kv_pb2.FetchKVResponse.FromString(messages[1]).chunk.num_layers == 2  # the stock parser reads the field
+    sink = TensorKVSink(spec, 3)
+    handle = KVHandle("grpc", "addr", "x", 3)
+    receive_stream(iter(wire.decode_response(m) if i else m for i, m in enumerate(messages)), handle, sink, None)
+    assert torch.equal(sink.kv, source.kv)
 
 
 def test_lease_expires_and_frees(sender):

@@ -89,6 +89,20 @@ class PagedKVCache:
         self.v[layer].index_copy_(1, slots.to(self.device), v.to(self.device))
 
 
+    def write_blocks(self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store whole blocks: ``k, v: [kv_heads, len(block_ids) * block_size, head_dim]`` (on
+        any device) into blocks ``block_ids`` (LongTensor on this pool's device), one
+        index_copy_ per pool whatever the blocks' order (16-bit data moved as 32-bit words,
+        ~2x faster here, as ``attention.gather_blocks``)."""
+        for pool, src in ((self.k[layer], k), (self.v[layer], v)):
+            heads = pool.shape[0]
+            rows = pool.view(heads, self.num_blocks, -1)  # [kv_heads, num_blocks, block_size * head_dim]
+            data = src.to(self.device).reshape(heads, len(block_ids), -1)
+            if pool.element_size() == 2 and rows.shape[-1] % 2 == 0:
+                rows, data = rows.view(torch.float32), data.view(torch.float32)
+            rows.index_copy_(1, block_ids, data)
+
+
 def map_pool_file(path: str, spec: KVSpec, num_blocks: int, block_size: int, create: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Map a pool file as (k, v), each [num_layers, kv_heads, num_blocks * block_size, head_dim].
 

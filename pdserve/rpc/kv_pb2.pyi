@@ -103,20 +103,22 @@ class KVTrailer(_message.Message):
     def __init__(self, first_token: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("layer", "start_token", "num_tokens", "key", "value", "xxh3")
+    __slots__ = ("layer", "start_token", "num_tokens", "key", "value", "xxh3", "num_layers")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     XXH3_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     start_token: int
     num_tokens: int
     key: bytes
     value: bytes
     xxh3: int
-    def __init__(self, layer: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, layer: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., xxh3: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class FetchKVResponse(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
