@@ -7,8 +7,8 @@ Run: ``bash bench/run.sh transfer`` (or ``python -m bench.transfer --help``). Wr
 table to stdout, ``bench/out/transfer.json`` and ``bench/out/transfer.png``.
 
 Limits measured in the same run: memcpy bandwidth, and grpcio's own streaming rate
-between two processes on loopback (ready-made 1 MiB messages, nothing else done), which
-bounds the grpc backend whatever it does around the transport.
+between two processes on loopback (ready-made 1 MiB messages, nothing else done, the KV
+channel's frame size), which bounds the grpc backend whatever it does around the transport.
 
 The sender runs in its own process, as a prefill worker does: a KVServer holding KV in
 paged blocks of a pool in shared memory (so it can serve both backends). The receiver
@@ -74,7 +74,9 @@ def _raw_grpc_server(conn, message_bytes: int, num_messages: int) -> None:
 
     handler = grpc.method_handlers_generic_handler("bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(
         stream, request_deserializer=bytes, response_serializer=bytes)})
-    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.max_send_message_length", 64 << 20)])
+    from kv_transfer.grpc_backend import FRAME_OPTIONS
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.max_send_message_length", 64 << 20), *FRAME_OPTIONS])
     server.add_generic_rpc_handlers((handler,))
     conn.send(server.add_insecure_port("127.0.0.1:0"))
     server.start()
@@ -92,7 +94,9 @@ def raw_grpc_bandwidth(message_bytes: int = 1 << 20, total_bytes: int = 256 << 2
     proc = ctx.Process(target=_raw_grpc_server, args=(child, message_bytes, total_bytes // message_bytes), daemon=True)
     proc.start()
     port = parent.recv()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)])
+    from kv_transfer.grpc_backend import FRAME_OPTIONS
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20), *FRAME_OPTIONS])
     call = channel.unary_stream("/bench.Raw/Stream", request_serializer=bytes, response_deserializer=bytes)
     best = 0.0
     for _ in range(3):

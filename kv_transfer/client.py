@@ -21,7 +21,7 @@ from kv_transfer.security import with_secret
 from kv_transfer.base import KVHandle, KVReceiver, KVSink
 from kv_transfer.fingerprint import KVFingerprint
 from kv_transfer.malloc import keep_large_allocations
-from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, receive_stream
+from kv_transfer.grpc_backend import FRAME_OPTIONS, MAX_MESSAGE_BYTES, receive_stream
 from kv_transfer.server import PREFILL_ENDED, fingerprint_to_proto
 from kv_transfer.cuda_ipc_backend import CudaIpcReader
 from kv_transfer.shm_backend import ShmReader
@@ -57,7 +57,7 @@ class KVClient(KVReceiver):
     def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
         with self._lock:
             if address not in self._stubs:
-                raw = channel_to(address, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)], *self._tls)
+                raw = channel_to(address, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *FRAME_OPTIONS], *self._tls)
                 self._channels.append(raw)
                 channel = with_secret(raw, self._secret)
                 stub = kv_pb2_grpc.KVTransferStub(channel)

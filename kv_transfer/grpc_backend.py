@@ -29,6 +29,10 @@ from pdserve.rpc import kv_pb2
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 MAX_MESSAGE_BYTES = 64 << 20
+# HTTP/2 frames of up to 16 MiB - 1 (RFC 9113's maximum) on both sides of the KV channel,
+# instead of 16 KiB: a chunk then crosses in a few frames, not dozens; grpcio alone streamed
+# 1 MiB messages at 1.1-1.4 GB/s with the default and 1.3-1.8 GB/s with this, here
+FRAME_OPTIONS = [("grpc.http2.max_frame_size", (1 << 24) - 1)]
 
 
 def _buffer(t: torch.Tensor) -> memoryview:

@@ -28,7 +28,7 @@ from kv_transfer.base import KVHandle, KVSender, KVSource
 from kv_transfer.faults import FaultInjector
 from kv_transfer.fingerprint import KVFingerprint
 from kv_transfer.malloc import keep_large_allocations
-from kv_transfer.grpc_backend import MAX_MESSAGE_BYTES, iter_chunks
+from kv_transfer.grpc_backend import FRAME_OPTIONS, MAX_MESSAGE_BYTES, iter_chunks
 from kv_transfer.lease import LeaseTable
 from kv_transfer.progress import KVNotReadyError
 from pdserve.errors import PrefillEndedError
@@ -178,7 +178,7 @@ class KVServer(KVSender):
         self.checksums: dict[str, futures.Future] = {}  # shm transfers described, not yet released
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-server"),
-            options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+            options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *FRAME_OPTIONS],
             interceptors=[SecretCheck(secret)] if secret else None,  # kv_transfer/security.py
         )
         _register(_Servicer(self), self._server)
