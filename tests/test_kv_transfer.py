@@ -424,3 +424,23 @@ def test_mappings_of_removed_pools_are_dropped(tmp_path):
     reader._map(new.shm_path, SPEC, 8, 4)
     assert list(reader._maps) == [new.shm_path]
     new.close()
+
+
+@needs_shm
+@pytest.mark.parametrize("num_blocks", [8, 600])  # per head 16 KiB (a cached memcpy) and 1.2 MiB (streaming stores)
+def test_the_shm_block_copy_lands_every_byte_and_its_checksum_is_the_senders(num_blocks):
+    from pdserve.engine import kernels
+
+    lib = kernels.load("kv_blocks")
+    heads, pool_blocks, block_bytes = 3, 1200, 2048  # bf16 blocks of 16 tokens x 64 dims
+    gen = torch.Generator().manual_seed(num_blocks)
+    src = torch.randint(0, 256, (heads, pool_blocks, block_bytes), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros_like(src)
+    src_ids = torch.randperm(pool_blocks, generator=gen)[:num_blocks].to(torch.int32)
+    dst_ids = torch.randperm(pool_blocks, generator=gen)[:num_blocks].to(torch.int32)
+    stride = pool_blocks * block_bytes
+    got = lib.kv_copy_blocks_checksum(src.data_ptr(), stride, dst.data_ptr(), stride, block_bytes,
+                                      src_ids.data_ptr(), dst_ids.data_ptr(), num_blocks, heads, 7)
+    assert torch.equal(dst[:, dst_ids.long()], src[:, src_ids.long()])
+    assert got == lib.kv_checksum_blocks(src.data_ptr(), stride, block_bytes, src_ids.data_ptr(), num_blocks, heads, 7)
+    assert got == lib.kv_checksum_blocks(dst.data_ptr(), stride, block_bytes, dst_ids.data_ptr(), num_blocks, heads, 7)
