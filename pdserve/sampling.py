@@ -59,7 +59,7 @@ class SamplingParams:
                 f"{num_prompt_tokens + self.max_tokens} exceeds the model's context of {max_model_len} tokens"
             )
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

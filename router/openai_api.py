@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ray.serve.exceptions import BackPressureError
 
 from pdserve.errors import (AuthenticationError, CapacityError, InvalidRequestError, KVAuthError, KVIncompatibleError, KVTransferError,
-                            RequestTooLargeError)
-from pdserve.sampling import SamplingParams
+                            RequestTooLargeError, WorkerStalledError)
+from pdserve.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -36,7 +36,7 @@ class _Common(BaseModel):
     # strict: "10" is not a number and true is not a count; null means "the default"
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str = ""
+    model: str | None = None  # None or "": the served model
     max_tokens: int | None = None
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
@@ -119,6 +119,8 @@ class ChatCompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
@@ -234,6 +236,7 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         (KVIncompatibleError, 500, "server_error"),
         (KVAuthError, 500, "server_error"),
         (KVTransferError, 503, "service_unavailable"),
+        (WorkerStalledError, 503, "service_unavailable"),  # every replica tried was stuck in a step
         (TimeoutError, 504, "timeout"),
     ):
         if isinstance(exc, cls):

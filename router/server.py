@@ -110,7 +110,7 @@ class Router:
         chat = [{"role": role, "content": content} for role, content in messages]
         return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"])
 
-    def _check_model(self, model: str) -> None:
+    def _check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
             raise InvalidRequestError(f"unknown model {model!r}; this cluster serves {self.model_name!r}")
 

@@ -141,7 +141,7 @@ def test_first_token_stop_gives_empty_output_and_no_decode_step(cluster, referen
         ({"prompt": "", "max_tokens": 8}, "prompt is empty"),
         ({"prompt_token_ids": [42] * 8000, "max_tokens": 500}, "exceeds the model's context of 8192"),
         ({"prompt": "Hello", "max_tokens": 0}, "max_tokens must be >= 1"),
-        ({"prompt": "Hello", "max_tokens": 8, "temperature": -1.0}, "temperature must be >= 0"),
+        ({"prompt": "Hello", "max_tokens": 8, "temperature": -1.0}, "temperature must be a finite number >= 0"),
         ({"prompt_token_ids": [49152], "max_tokens": 8}, "outside the vocabulary"),
         ({"prompt_token_ids": [-3, 5], "max_tokens": 8}, "outside the vocabulary"),
         ({"prompt": "Hello", "max_tokens": -5}, "max_tokens must be >= 1"),

@@ -14,9 +14,23 @@ def parse(cls, **body):
 
 
 def test_nulls_mean_defaults():
-    req = parse(oa.CompletionRequest, prompt="Hi", temperature=None, top_p=None, n=None, stop=None)
+    req = parse(oa.CompletionRequest, prompt="Hi", model=None, temperature=None, top_p=None, n=None, stop=None)
     params = req.sampling_params(16)
     assert (params.temperature, params.top_p, params.max_tokens, params.stop) == (1.0, 1.0, 16, ())
+    assert req.model is None  # the served model
+
+
+def test_top_logprobs_out_of_range_is_named():
+    req = parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=25)
+    with pytest.raises(InvalidRequestError, match=r"top_logprobs must be in \[0, 20\], got 25"):
+        req.num_logprobs()
+
+
+def test_an_infinite_temperature_is_refused_as_not_finite():
+    params = parse(oa.CompletionRequest, prompt="Hi").sampling_params(16)
+    params.temperature = float("inf")
+    with pytest.raises(InvalidRequestError, match="temperature must be a finite number >= 0, got inf"):
+        params.validate(1, 100)
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", "10"), ("stream", "yes"), ("logprobs", True), ("temperature", "hot")])
@@ -45,3 +59,9 @@ def test_non_text_content_and_empty_prompts_say_so():
         oa.completion_prompt(parse(oa.CompletionRequest, prompt=[]))
     with pytest.raises(InvalidRequestError, match="top_logprobs needs logprobs"):
         parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], top_logprobs=2).sampling_params(8)
+
+
+def test_a_stuck_worker_is_a_503_not_a_500():
+    from pdserve.errors import WorkerStalledError
+
+    assert oa.error_status(WorkerStalledError("engine step stuck")) == (503, "service_unavailable")

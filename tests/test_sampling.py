@@ -11,7 +11,7 @@ from pdserve.sampling import SamplingParams, finish_reason, sample
         (SamplingParams(), 0, "prompt is empty"),
         (SamplingParams(max_tokens=0), 5, "max_tokens must be >= 1"),
         (SamplingParams(max_tokens=100), 8100, "exceeds the model's context of 8192"),
-        (SamplingParams(temperature=-0.5), 5, "temperature must be >= 0"),
+        (SamplingParams(temperature=-0.5), 5, "temperature must be a finite number >= 0"),
         (SamplingParams(top_p=0.0), 5, "top_p"),
         (SamplingParams(seed=-1), 5, "seed"),
     ],
