@@ -19,7 +19,6 @@ import torch
 import xxhash
 
 from kv_transfer.base import KVHandle, KVSink, KVSource
-from kv_transfer.faults import FaultInjector
 from pdserve.errors import KVTransferError
 from pdserve.kv_layout import KVSpec
 from kv_transfer.wire import ChunkView, encode_chunk
@@ -54,7 +53,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size: int = 0, faults: FaultInjector | None = None,
+def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size: int = 0, corrupt: bool = False,
                 deadline: float = math.inf, alive: Callable[[], bool] | None = None):
     """Yield the FetchKV stream of ``source``: a header (a message), then chunks of at most
     ``chunk_bytes`` (per layer and token range, or per group of whole layers for a short
@@ -63,7 +62,8 @@ def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size
     A source still being computed (``source.streamed``, kv_transfer/progress.py) is sent
     layer-wise: each chunk as soon as prefill has written it, then a KVTrailer with the
     first token. Waits end at ``deadline`` (time.monotonic()) or once ``alive()`` is false
-    (the receiver left), raising KVNotReadyError."""
+    (the receiver left), raising KVNotReadyError. ``corrupt`` (fault injection): the first
+    chunk goes out with one byte flipped after its checksum was taken."""
     spec, num_tokens = source.spec, source.num_tokens
     bytes_per_layer_token = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
     tokens_per_chunk = max(1, chunk_bytes // bytes_per_layer_token)
@@ -75,7 +75,6 @@ def iter_chunks(transfer_id: str, source: KVSource, chunk_bytes: int, block_size
     layers_per_chunk = max(1, chunk_bytes // (max(1, num_tokens) * bytes_per_layer_token)) if whole else 1
     starts = range(0, num_tokens, tokens_per_chunk)
     groups = range(0, spec.num_layers, layers_per_chunk)
-    corrupt = faults is not None and faults.take("corrupt")
     yield kv_pb2.FetchKVResponse(
         header=kv_pb2.KVHeader(
             transfer_id=transfer_id, dtype=dtype_name(spec.dtype), num_layers=spec.num_layers,

@@ -60,14 +60,10 @@ class PagedKVSource(KVSource):
         return out[0], out[1]
 
     def _gathered(self, layer: int, start: int, end: int) -> tuple[list[memoryview], list[memoryview]]:
-        bs, heads = self.kv_cache.block_size, self.spec.num_kv_heads
+        bs = self.kv_cache.block_size
         ids = torch.tensor(self.block_table[start // bs : -(-end // bs)], dtype=torch.long)
-        out = []
-        for pool in (self.kv_cache.k[layer], self.kv_cache.v[layer]):
-            rows = pool.view(heads, self.kv_cache.num_blocks, -1).view(torch.uint8)  # [kv_heads, num_blocks, block bytes]
-            blocks = torch.index_select(rows, 1, ids).view(heads, -1)[:, : (end - start) * rows.shape[-1] // bs]
-            out.append([memoryview(blocks[h].numpy()) for h in range(heads)])
-        return out[0], out[1]
+        k, v = self.kv_cache.read_blocks(layer, ids)  # [kv_heads, whole blocks' tokens, head_dim]
+        return tuple([memoryview(t[h, : end - start].view(torch.uint8).numpy()).cast("B") for h in range(t.shape[0])] for t in (k, v))
 
     def release(self) -> None:
         self._on_release(self.block_table)

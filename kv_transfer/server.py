@@ -49,26 +49,29 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no KV held for transfer {transfer_id!r} (released or lease expired)")
         return source
 
-    def _injected_stall_then_break(self) -> bool:
-        """Apply an armed "timeout" (stall now); True if an armed "break" should cut this call.
-        Both are taken as the call arrives, so a stalled call cannot take a fault armed for a later one."""
-        stall, broken = self.s.faults.take("timeout"), self.s.faults.take("break")
+    def _injected_faults(self) -> tuple[bool, bool]:
+        """Take the armed faults as the call arrives (so a stalled call cannot take a fault
+        armed for a later one) and apply a "timeout" (stall now). Returns (an armed "break"
+        should cut this call, an armed "corrupt" should spoil its payload)."""
+        stall, broken, corrupt = (self.s.faults.take(kind) for kind in ("timeout", "break", "corrupt"))
         if stall:
             time.sleep(self.s.faults.stall_s)
-        return broken
+        return broken, corrupt
 
     def Handshake(self, request, context):
         return kv_pb2.HandshakeResponse(fingerprint=fingerprint_to_proto(self.s.fingerprint), instance_id=self.s.instance_id)
 
     def FetchKV(self, request, context):
         source = self._held(request.transfer_id, context)
-        broken = self._injected_stall_then_break()
-        chunks = iter_chunks(request.transfer_id, source, self.s.chunk_bytes, self.s.block_size, self.s.faults,
+        broken, corrupt = self._injected_faults()
+        chunks = iter_chunks(request.transfer_id, source, self.s.chunk_bytes, self.s.block_size, corrupt,
                              deadline=_deadline(context), alive=context.is_active)
         try:
-            for i, message in enumerate(chunks):
-                num_chunks = message.header.num_chunks if i == 0 else num_chunks
-                if broken and i == min(2, num_chunks):  # after the header and a chunk, if there are two
+            header = next(chunks)
+            broken_at = min(2, header.header.num_chunks)  # after the header and a chunk, if there are two
+            yield header
+            for i, message in enumerate(chunks, 1):
+                if broken and i == broken_at:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: stream broken mid-transfer")
                 yield message
         except PrefillEndedError as e:  # layer-wise: the request ended at its first token
@@ -83,7 +86,8 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
         if kv_cache is None or (kv_cache.shm_path is None and kv_cache.ipc_handles is None):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill worker's KV pool is neither in shared memory nor exportable over CUDA IPC")
         checksums = shm_backend.checksums if kv_cache.shm_path is not None else cuda_ipc_backend.checksums
-        if self._injected_stall_then_break():
+        broken, corrupt = self._injected_faults()
+        if broken:
             context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: connection broken mid-transfer")
         first_token = 0
         if source.streamed:  # leased while prefill runs: answer once it has ended (no overlap over shm)
@@ -97,7 +101,6 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
         # checksum our blocks while the receiver copies them (the C call releases the GIL); ReleaseKV compares
         for tid in [t for t in self.s.checksums if self.s.table.get(t) is None]:  # leases that ended unacknowledged
             self.s.checksums.pop(tid, None)
-        corrupt = self.s.faults.take("corrupt")
         self.s.checksums[request.transfer_id] = self.s.checksum_pool.submit(
             lambda: [x ^ (corrupt and i == 0) for i, x in enumerate(checksums(kv_cache, block_ids))])
         k_handle, v_handle = kv_cache.ipc_handles or (b"", b"")

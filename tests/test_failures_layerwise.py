@@ -7,14 +7,13 @@ the decode pool holds nothing afterwards."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import reference_generate, serve_cluster
+from conftest import serve_cluster
 from test_e2e import pool_stats
-from test_failures import kill_one, prompt, router_stats
+from test_failures import generate_through_a_prefill_kill, prompt, router_stats
 
 pytestmark = pytest.mark.e2e
 GRPC_PORT, HTTP_PORT = 9190, 8190
@@ -40,13 +39,7 @@ def model(real_model_dir):
 
 def test_a_prefill_replica_killed_while_decode_streams_its_layers_is_retried_on_the_other(cluster, model):
     prompts = [prompt(i + 40, 700) for i in range(4)]  # long prompts: decode fetches while both replicas compute
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(cluster.generate, prompt_token_ids=p, max_tokens=6, ignore_eos=True, timeout_s=300) for p in prompts]
-        time.sleep(1.5)
-        kill_one("prefill")
-        results = [f.result() for f in futures]
-    for p, r in zip(prompts, results):
-        assert r.token_ids == reference_generate(model, p, 6, ignore_eos=True)
+    generate_through_a_prefill_kill(cluster, model, prompts, 6)
     assert router_stats()["num_prefill_retries"] > 0
     deadline = time.monotonic() + 60
     while True:  # decode let go of everything it reserved for the dead replica's KV
