@@ -444,3 +444,23 @@ def test_the_shm_block_copy_lands_every_byte_and_its_checksum_is_the_senders(num
     assert torch.equal(dst[:, dst_ids.long()], src[:, src_ids.long()])
     assert got == lib.kv_checksum_blocks(src.data_ptr(), stride, block_bytes, src_ids.data_ptr(), num_blocks, heads, 7)
     assert got == lib.kv_checksum_blocks(dst.data_ptr(), stride, block_bytes, dst_ids.data_ptr(), num_blocks, heads, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_pieces_equal_read_whether_blocks_are_in_runs_or_scattered(dtype):
+    from kv_transfer.paged import MAX_RUNS
+
+    spec = KVSpec(2, 3, 8, dtype)
+    cache = PagedKVCache(spec, 64, 4)
+    cache.k.copy_(torch.randn(cache.k.shape).to(dtype))
+    cache.v.copy_(torch.randn(cache.v.shape).to(dtype))
+    scattered = list(range(63, 3, -3))[:20]  # 20 blocks, no two consecutive: more than MAX_RUNS runs, gathered
+    assert len(scattered) > MAX_RUNS
+    for table in (list(range(20)), scattered):  # one run of blocks: views of the pool; scattered: one gathered copy
+        source = PagedKVSource(cache, table, 77, lambda blocks: None)
+        for layer in range(2):
+            for start, end in ((0, 77), (16, 50)):
+                key, value = source.pieces(layer, start, end)
+                k, v = source.read(layer, start, end)
+                assert b"".join(key) == k.contiguous().view(torch.uint8).numpy().tobytes()
+                assert b"".join(value) == v.contiguous().view(torch.uint8).numpy().tobytes()
