@@ -9,6 +9,10 @@ Roofline for a decode step (memory-bound): bytes read = weight bytes + KV bytes 
 sequence's context, divided by the measured read bandwidth. Prefill FLOPs: 2
 x decoder-layer parameters x tokens + 4 x layers x heads x head_dim x T^2 / 2 (causal attention, QK^T and PV),
 plus the LM head for the last token (Kaplan et al. 2020, sec. 2.1; Chowdhery et al. 2022, app. B).
+
+It also splits the forwards of the batch-1 and batch-32 decode steps and of the 2,048-token
+prefill into linear layers, attention and the rest (``bench/breakdown.py``), with the read
+bandwidth or FLOP/s each part reaches: what limits each target.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from bench import hardware
+from bench.breakdown import linear_bytes, linear_flops, timed_components
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.model_loader import load_model, resolve_model_dir
@@ -32,14 +37,41 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def attention_flops(model, num_tokens: int) -> float:
+    """QK^T and PV of one causal prompt: 4 x layers x heads x head_dim x T^2 / 2."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * num_tokens**2 / 2
+
+
 def prefill_flops(model, num_tokens: int) -> float:
     """Matmul FLOPs of one prompt: layers over all tokens, the LM head over the last one only."""
-    cfg = model.config
     embedding = model.get_input_embeddings().weight.numel()  # a lookup, not a matmul
     layer_params = sum(p.numel() for p in model.model.layers.parameters())
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * num_tokens**2 / 2
-    return 2 * layer_params * num_tokens + attention + 2 * embedding
+    return 2 * layer_params * num_tokens + attention_flops(model, num_tokens) + 2 * embedding
+
+
+def breakdowns(model, engine: Engine, batches: list[int], context: int, prompt_length: int, repeats: int, hw: dict) -> dict:
+    """Per-forward linear / attention / other seconds (bench/breakdown.py) of the decode steps
+    at batch 1 and 32 and the prefill of ``prompt_length`` tokens, with the rates they reach."""
+    out = {}
+    peak = hw["matmul_bf16_flops" if model.dtype == torch.bfloat16 else "matmul_fp32_flops"]
+    for batch in [b for b in (1, 32) if b in batches]:
+        with timed_components(model) as parts:
+            pdserve_decode_step(engine, batch, context, repeats)
+        parts["linear_read_bytes_per_s"] = linear_bytes(model) / parts["linear_s"]
+        parts["linear_fraction_of_read_bw"] = parts["linear_read_bytes_per_s"] / hw["mem_read_bytes_per_s"]
+        parts["linear_flops_per_s"] = linear_flops(model, batch, lm_head_tokens=batch) / parts["linear_s"]
+        parts["linear_fraction_of_matmul_peak"] = parts["linear_flops_per_s"] / peak
+        out[f"decode_b{batch}"] = parts
+    with timed_components(model) as parts:
+        pdserve_prefill(engine, prompt_length, repeats)
+    parts["linear_flops_per_s"] = linear_flops(model, prompt_length) / parts["linear_s"]
+    parts["attention_flops_per_s"] = attention_flops(model, prompt_length) / parts["attention_s"]
+    parts["linear_fraction_of_matmul_peak"] = parts["linear_flops_per_s"] / peak
+    parts["attention_fraction_of_matmul_peak"] = parts["attention_flops_per_s"] / peak
+    out[f"prefill_{prompt_length}"] = parts
+    return out
 
 
 DEVICE = "cpu"  # --device: where the model, its KV and the baseline run
@@ -162,6 +194,8 @@ def main() -> None:
         })
         print(f"prefill {n:5d} tokens: pdserve {n / ours:7.0f} tok/s ({flops / ours / peak:.0%} of matmul peak)  hf {n / hf:7.0f} tok/s", flush=True)
 
+    breakdown = breakdowns(model, engine, batches, args.context, 2048 if 2048 in lengths else max(lengths), args.repeats, hw)
+
     by_batch = {d["batch"]: d for d in decode}
     by_len = {p["tokens"]: p for p in prefill}
     targets = {
@@ -176,7 +210,7 @@ def main() -> None:
         "prefill_2048_fraction_of_matmul_peak": by_len.get(2048, {}).get("fraction_of_matmul_peak"),
     }
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "hardware": hw,
-              "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "prefill": prefill, "targets": targets}
+              "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "prefill": prefill, "breakdown": breakdown, "targets": targets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(result, indent=2))
@@ -196,6 +230,14 @@ def print_tables(result: dict) -> None:
     print(f"\n{'tokens':>6} | {'pdserve tok/s':>13} | {'HF eager tok/s':>14} | {'of matmul peak':>14}")
     for p in result["prefill"]:
         print(f"{p['tokens']:>6} | {p['pdserve_tokens_per_s']:>13.0f} | {p['hf_tokens_per_s']:>14.0f} | {p['fraction_of_matmul_peak']:>14.0%}")
+    print(f"\n{'per forward':<13} | {'total ms':>8} | {'linear ms':>9} | {'attention ms':>12} | {'other ms':>8} | rates")
+    for name, b in result["breakdown"].items():
+        rates = f"linear {b['linear_flops_per_s'] / 1e9:.0f} GFLOP/s ({b['linear_fraction_of_matmul_peak']:.0%} of matmul peak)"
+        if "linear_read_bytes_per_s" in b:
+            rates += f", {b['linear_read_bytes_per_s'] / 1e9:.1f} GB/s ({b['linear_fraction_of_read_bw']:.0%} of read BW)"
+        if "attention_flops_per_s" in b:
+            rates += f"; attention {b['attention_flops_per_s'] / 1e9:.0f} GFLOP/s ({b['attention_fraction_of_matmul_peak']:.0%})"
+        print(f"{name:<13} | {b['forward_s'] * 1e3:>8.1f} | {b['linear_s'] * 1e3:>9.1f} | {b['attention_s'] * 1e3:>12.1f} | {b['other_s'] * 1e3:>8.1f} | {rates}")
 
 
 def plot(result: dict, path: Path) -> None:

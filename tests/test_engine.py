@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import reference_generate, tiny_model
+from pdserve.engine import allocator
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.loop import EngineLoop
@@ -255,3 +256,39 @@ def test_paged_decode_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim):
             diff = (got[b].float() - want.float()).abs()
             assert (diff <= want.float().abs() * 2**-6 + 2**-10).all(), diff.max()
             assert (got[b] == want).float().mean() > 0.8
+
+
+_HEAP_PROBE = """
+import ctypes, sys, torch
+from pdserve.engine import allocator
+fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+MallInfo2 = type("MallInfo2", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_size_t) for f in fields]})
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "keep":
+    assert allocator.keep_freed_memory()
+free_before = libc.mallinfo2().fordblks  # free bytes the heap holds
+x = torch.ones(6 << 20)  # 24 MB of float32
+mmapped = libc.mallinfo2().hblkhd  # bytes in mmap'd blocks
+del x
+print(mmapped >= 24 << 20, libc.mallinfo2().fordblks - free_before >= 24 << 20)  # [mmap'd, held by the heap once freed]
+"""
+
+
+def test_the_engine_keeps_freed_memory_for_the_next_step():
+    """allocator.py: on the CPU an engine keeps the C heap's freed memory, so a step's
+    multi-MB tensors reuse pages the last step freed instead of faulting in fresh zeroed ones
+    (210,000 faults per 2,048-token prefill of the bundled model with glibc's defaults; 0 after).
+    A fresh process shows the mechanism: glibc mmaps a 24 MB tensor and unmaps it on free;
+    tuned, it comes from the heap, which keeps it."""
+    import subprocess
+    import sys
+
+    Engine(tiny_model("llama"), EngineConfig(num_blocks=16, block_size=4), EOS, 64)  # optimize=True
+    assert allocator._applied is True
+
+    def probe(mode: str) -> str:
+        return subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True, check=True, timeout=120).stdout.split()
+
+    assert probe("default") == ["True", "False"]
+    assert probe("keep") == ["False", "True"]

@@ -1,0 +1,62 @@
+"""Keep the C heap's freed memory for reuse, so a step's multi-MB tensors cost no page faults.
+
+Every op of an eager CPU forward allocates its output fresh, and many are megabytes (a
+2,048-token prefill's MLP activations are [2048, 1536] = 6 MB in bf16, 12 MB in float32).
+glibc's malloc serves those with ``mmap`` or trims them from the heap top on ``free``, so the
+next step touches new pages and the kernel zeroes them: a page fault per 4 KiB. Measured
+here (bundled model, bf16, one thread, three alternating runs each way): a 2,048-token
+prefill faulted in 124,000-211,000 pages with glibc's defaults and none with the settings
+below (5.5-5.6 s -> 4.9-5.3 s); a batch-32 decode step 660-930 faults -> 19 (280-375 ms ->
+245-356 ms: this machine's noise is as large); batch 1 faults 4 times either way, so gains
+nothing. tcmalloc (``LD_PRELOAD``) did worse than these settings in one run (4.9 s prefill,
+283 ms batch 32). The results are bit-identical: only where
+memory comes from changes.
+
+The settings are glibc's ``mallopt`` parameters (``man 3 mallopt``), applied once per
+process; the same as the ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``/
+``MALLOC_TOP_PAD_`` environment variables, which only act at process start. The cost is
+that a worker's resident memory stays at its peak instead of shrinking between steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+# mallopt parameter numbers, from glibc's malloc.h
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit): larger blocks still use mmap
+TOP_PAD_BYTES = 256 << 20  # grow the main heap in 256 MiB steps (address space; pages come when touched)
+TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: 2 GiB - 1, i.e. never give the heap top back
+
+_applied: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Apply the settings above to this process's glibc malloc (once). Returns whether they
+    are in effect: False off Linux, on another C library, or if glibc refused one."""
+    global _applied
+    if _applied is None:
+        _applied = _apply()
+    return _applied
+
+
+def _apply() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # glibc only: musl has mallopt as a no-op stub
+    except (OSError, AttributeError):
+        return False
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = all(libc.mallopt(param, value) == 1 for param, value in (
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (M_TOP_PAD, TOP_PAD_BYTES), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)))
+    if not ok:
+        log.warning("glibc mallopt refused a setting; step tensors may cost page faults")
+    return ok
