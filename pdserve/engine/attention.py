@@ -132,8 +132,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         start, end = ctx.query_starts[i], ctx.query_starts[i + 1]
         num_new, num_ctx = end - start, ctx.context_lens[i]
         q = query[:, :, start:end]  # [1, heads, num_new, head_dim]
-        k = k_cache[:, slots].unsqueeze(0)  # [1, kv_heads, num_ctx, head_dim]
-        v = v_cache[:, slots].unsqueeze(0)
+        if num_new == num_ctx:  # a whole prompt: its K/V are this forward's (SDPA gives the same bits for the strided view)
+            k, v = key[:, :, start:end], value[:, :, start:end]  # [1, kv_heads, num_ctx, head_dim]
+        else:  # its context's blocks from the pool
+            k, v = k_cache[:, slots].unsqueeze(0), v_cache[:, slots].unsqueeze(0)
         if num_new == num_ctx or num_new == 1:  # whole prompt, or one token: nothing to hide
             mask, is_causal = None, num_new > 1
         else:  # a chunk after cached tokens: query i sees context positions <= offset + i
