@@ -64,8 +64,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        if self.seed is not None and self.seed < 0:
-            raise InvalidRequestError(f"seed must be >= 0, got {self.seed}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:  # gRPC's int64 field holds the same range
+            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -65,3 +65,10 @@ def test_a_stuck_worker_is_a_503_not_a_500():
     from pdserve.errors import WorkerStalledError
 
     assert oa.error_status(WorkerStalledError("engine step stuck")) == (503, "service_unavailable")
+
+
+def test_a_seed_past_int64_is_refused_by_name():
+    """gRPC carries seeds as int64; over HTTP a larger one is a 400 naming the range."""
+    params = parse(oa.CompletionRequest, prompt="Hi", seed=2**64 + 5).sampling_params(16)
+    with pytest.raises(InvalidRequestError, match=r"seed must be in \[0, 2\*\*63\), got 18446744073709551621"):
+        params.validate(1, 100)

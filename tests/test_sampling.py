@@ -13,7 +13,8 @@ from pdserve.sampling import SamplingParams, finish_reason, sample
         (SamplingParams(max_tokens=100), 8100, "exceeds the model's context of 8192"),
         (SamplingParams(temperature=-0.5), 5, "temperature must be a finite number >= 0"),
         (SamplingParams(top_p=0.0), 5, "top_p"),
-        (SamplingParams(seed=-1), 5, "seed"),
+        (SamplingParams(seed=-1), 5, "seed must be in"),
+        (SamplingParams(seed=2**63), 5, "seed must be in"),
     ],
 )
 def test_validate_names_the_problem(params, prompt_len, message):
