@@ -84,7 +84,10 @@ def prompt(i: int, n: int) -> list[int]:
 
 def generate_through_a_prefill_kill(cluster, model, prompts: list[list[int]], max_tokens: int) -> None:
     """Generate ``prompts`` at once, kill a prefill replica 1.5 s in, and check every answer
-    equals the reference."""
+    equals the reference. A short request first warms the path (the test's router handle,
+    Serve's replica lists): on a fresh cluster that took long enough in one CI run that
+    the kill came before any prompt reached a prefill replica, and nothing was retried."""
+    cluster.generate(prompt_token_ids=prompts[0][:8], max_tokens=1, timeout_s=120)
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(cluster.generate, prompt_token_ids=p, max_tokens=max_tokens, ignore_eos=True, timeout_s=300) for p in prompts]
         time.sleep(1.5)

@@ -38,7 +38,7 @@ def model(real_model_dir):
 
 
 def test_a_prefill_replica_killed_while_decode_streams_its_layers_is_retried_on_the_other(cluster, model):
-    prompts = [prompt(i + 40, 700) for i in range(4)]  # long prompts: decode fetches while both replicas compute
+    prompts = [prompt(i + 40, 700) for i in range(6)]  # long prompts: decode fetches while both replicas compute
     generate_through_a_prefill_kill(cluster, model, prompts, 6)
     assert router_stats()["num_prefill_retries"] > 0
     deadline = time.monotonic() + 60
