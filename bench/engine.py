@@ -258,6 +258,9 @@ def plot(result: dict, path: Path) -> None:
     b.plot([x["tokens"] for x in p], [x["pdserve_tokens_per_s"] for x in p], "o-", label="pdserve")
     b.plot([x["tokens"] for x in p], [x["hf_tokens_per_s"] for x in p], "s--", label="HF eager")
     b.set(xscale="log", xlabel="prompt tokens", ylabel="tokens/s", title="prefill")
+    for axis, xs in ((a, [x["batch"] for x in d]), (b, [x["tokens"] for x in p])):  # plain ticks at the measured points
+        axis.set_xticks(xs, [str(x) for x in xs])
+        axis.minorticks_off()
     b.legend()
     fig.suptitle(f"{result['model']} {result['dtype']}, {result['hardware']['num_threads']} thread(s)")
     fig.tight_layout()
