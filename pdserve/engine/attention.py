@@ -23,7 +23,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.kv_cache import PagedKVCache, block_rows
 from pdserve.engine.paged_decode import paged_decode_attention
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
@@ -67,14 +67,11 @@ def _workspace(name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
 def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, workspace: str) -> torch.Tensor:
     """blocks: [kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, len(block_ids), block_size, head_dim].
 
-    Copies whole blocks into a reused buffer (valid until the next call with the same
-    ``workspace``); 16-bit data is moved as 32-bit words, which index_select copies
-    about 2x faster here (0.8 vs 1.5 ms for 6 MB).
+    Copies whole blocks (as ``kv_cache.block_rows``) into a reused buffer, valid until the
+    next call with the same ``workspace``.
     """
     heads, num_blocks, block_size, head_dim = blocks.shape
-    rows = blocks.view(heads, num_blocks, block_size * head_dim)
-    if blocks.element_size() == 2:
-        rows = rows.view(torch.float32)
+    rows = block_rows(blocks, num_blocks)  # [kv_heads, num_blocks, block words]
     out = _workspace(workspace, heads * len(block_ids) * rows.shape[2], rows).view(heads, len(block_ids), rows.shape[2])
     torch.index_select(rows, 1, block_ids, out=out)
     return out.view(blocks.dtype).view(heads, len(block_ids), block_size, head_dim)

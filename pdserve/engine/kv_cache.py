@@ -93,7 +93,7 @@ class PagedKVCache:
         ``[kv_heads, len(block_ids) * block_size, head_dim]`` tensor, one index_select per pool."""
         out = []
         for pool in (self.k[layer], self.v[layer]):
-            blocks = torch.index_select(_block_rows(pool, self.num_blocks), 1, block_ids)
+            blocks = torch.index_select(block_rows(pool, self.num_blocks), 1, block_ids)
             out.append(blocks.view(pool.dtype).view(pool.shape[0], -1, pool.shape[2]))
         return out[0], out[1]
 
@@ -102,14 +102,16 @@ class PagedKVCache:
         any device) into blocks ``block_ids`` (LongTensor on this pool's device), one
         index_copy_ per pool whatever the blocks' order."""
         for pool, src in ((self.k[layer], k), (self.v[layer], v)):
-            _block_rows(pool, self.num_blocks).index_copy_(1, block_ids, _block_rows(src.to(self.device), len(block_ids)))
+            block_rows(pool, self.num_blocks).index_copy_(1, block_ids, block_rows(src.to(self.device).contiguous(), len(block_ids)))
 
 
-def _block_rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[kv_heads, num_blocks * block_size, head_dim] -> [kv_heads, num_blocks, block words]
-    (a view of a contiguous ``t``). 16-bit data is taken as 32-bit words, which
-    index_select and index_copy_ move ~2x faster here (as ``attention.gather_blocks``)."""
-    rows = t.reshape(t.shape[0], num_blocks, -1)
+def block_rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[kv_heads, num_blocks * block_size, head_dim] (or [kv_heads, num_blocks, block_size,
+    head_dim]) -> [kv_heads, num_blocks, block words], a view of a contiguous ``t``. 16-bit
+    data is taken as 32-bit words, which index_select and index_copy_ move ~2x faster here
+    (0.8 vs 1.5 ms for 6 MB). Every whole-block copy of the pool goes through it: the
+    transfer's read/write_blocks and decode's ``attention.gather_blocks``."""
+    rows = t.view(t.shape[0], num_blocks, -1)  # a view, never a copy: index_copy_ must land in t
     return rows.view(torch.float32) if t.element_size() == 2 and rows.shape[-1] % 2 == 0 else rows
 
 
