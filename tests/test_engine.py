@@ -5,6 +5,7 @@ Every test ends by checking that all KV blocks are back in the pool.
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -148,7 +149,6 @@ def test_loop_streams_and_abort_frees_blocks():
 
 
 def test_a_hung_step_fails_the_health_check_and_its_requests_and_a_live_loop_passes_it():
-    import time
 
     from pdserve.errors import WorkerStalledError
 
@@ -184,7 +184,7 @@ def test_a_hung_step_fails_the_health_check_and_its_requests_and_a_live_loop_pas
 
 def test_next_output_times_out_on_a_live_loop_without_calling_it_stalled():
     engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=16, block_size=4), EOS, 512)
-    loop = EngineLoop(engine, max_step_s=0.5)
+    loop = EngineLoop(engine, max_step_s=0.05)  # far below the idle loop's 0.5 s wake-up: idle time is not a stuck step
 
     async def wait():
         with pytest.raises(TimeoutError) as e:  # nothing was submitted to this queue: a plain deadline
@@ -192,11 +192,12 @@ def test_next_output_times_out_on_a_live_loop_without_calling_it_stalled():
         assert type(e.value) is TimeoutError
 
     asyncio.run(wait())
+    time.sleep(0.3)  # out of phase with the idle wake-ups
+    assert loop.stalled_s() == 0.0
     loop.close()
 
 
 def test_the_fault_injection_file_hangs_exactly_one_loop(tmp_path, monkeypatch):
-    import time
 
     from pdserve.engine.loop import HANG_FILE_ENV
 

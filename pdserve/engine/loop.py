@@ -46,7 +46,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards _aborts
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._heartbeat = time.monotonic()  # set every loop turn: at least every 0.5 s unless a step hangs
+        self._step_started: float | None = None  # monotonic time the running step began; None while idle
         self._thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
         self._thread.start()
 
@@ -102,8 +102,9 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def stalled_s(self) -> float:
-        """Seconds since the loop last came round: long only while one step is stuck."""
-        return time.monotonic() - self._heartbeat
+        """Seconds the current step has run; 0 while the loop is idle (an idle loop is never stalled)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def check_health(self) -> None:
         """For Ray Serve's health check: raises RuntimeError if the loop thread died, or
@@ -142,7 +143,6 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._heartbeat = time.monotonic()
             with self._lock:
                 aborts, self._aborts = self._aborts, []
             for seq in aborts:
@@ -156,6 +156,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             steps_before = self.engine.num_steps
+            self._step_started = time.monotonic()
             if self._hang_file and self._take_hang_file():
                 log.error("fault injection (%s): this engine step hangs", HANG_FILE_ENV)
                 self._stop.wait()
@@ -163,12 +164,14 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a failed forward fails the requests in it, not the worker
+                self._step_started = None
                 log.exception("engine step failed")
                 for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
                     self.engine.abort(seq)
                     self._emit(seq, e)
                     self._outputs.pop(seq.request_id, None)
                 continue
+            self._step_started = None
             for seq in outputs:
                 reason = seq.finish_reason
                 stopped = reason == "stop"  # the stop token itself is not returned
