@@ -149,7 +149,6 @@ def test_loop_streams_and_abort_frees_blocks():
 
 
 def test_a_hung_step_fails_the_health_check_and_its_requests_and_a_live_loop_passes_it():
-
     from pdserve.errors import WorkerStalledError
 
     engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=16, block_size=4), EOS, 512)
