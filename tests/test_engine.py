@@ -197,7 +197,6 @@ def test_next_output_times_out_on_a_live_loop_without_calling_it_stalled():
 
 
 def test_the_fault_injection_file_hangs_exactly_one_loop(tmp_path, monkeypatch):
-
     from pdserve.engine.loop import HANG_FILE_ENV
 
     trigger = tmp_path / "hang"
