@@ -194,7 +194,9 @@ def main() -> None:
         })
         print(f"prefill {n:5d} tokens: pdserve {n / ours:7.0f} tok/s ({flops / ours / peak:.0%} of matmul peak)  hf {n / hf:7.0f} tok/s", flush=True)
 
-    breakdown = breakdowns(model, engine, batches, args.context, 2048 if 2048 in lengths else max(lengths), args.repeats, hw)
+    # CPU only: the hooks time host calls, which on a GPU are asynchronous launches (and a
+    # CUDA graph replay runs no hooks at all)
+    breakdown = breakdowns(model, engine, batches, args.context, 2048 if 2048 in lengths else max(lengths), args.repeats, hw) if DEVICE == "cpu" else {}
 
     by_batch = {d["batch"]: d for d in decode}
     by_len = {p["tokens"]: p for p in prefill}

@@ -94,7 +94,7 @@ class PoolConfig:
     max_num_batched_tokens: int = 2048  # new tokens per forward
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
     enable_prefix_caching: bool = True
-    optimize: bool = True  # packed oneDNN bf16 weights, C heap kept between steps (bit-identical)
+    optimize: bool = True  # CPU: packed oneDNN bf16 weights, C heap kept (bit-identical); GPU: CUDA graphs for decode
     decode_kernel: bool = False  # C paged decode attention over blocks in place (faster; see engine.py)
 
 

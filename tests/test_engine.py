@@ -4,6 +4,7 @@ Every test ends by checking that all KV blocks are back in the pool.
 """
 
 import asyncio
+import os
 import threading
 import time
 
@@ -20,6 +21,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.sampling import SamplingParams
 
 EOS = frozenset({2})
+AVX512 = os.path.exists("/proc/cpuinfo") and " avx512f" in open("/proc/cpuinfo").read()
 
 
 def random_prompts(lengths, seed=0) -> list[list[int]]:
@@ -251,10 +253,12 @@ def test_paged_decode_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim):
             q[b][None, :, None], k[:, slots][None], v[:, slots][None], scale=head_dim**-0.5, enable_gqa=True)[0, :, 0]
         if dtype == torch.float32:
             torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
-        else:  # the same bf16 roundings as torch's flash kernel: mostly equal, else a step or so apart
+        elif AVX512:  # torch's bf16 operations and summation orders, as measured on an AVX-512 CPU:
+            # equal bit for bit (~1 in 100,000 outputs on the real model differ by one bf16 step, none here)
+            assert torch.equal(got[b], want), (got[b] != want).sum()
+        else:  # torch vectorizes otherwise elsewhere: within a bf16 step or so
             diff = (got[b].float() - want.float()).abs()
             assert (diff <= want.float().abs() * 2**-6 + 2**-10).all(), diff.max()
-            assert (got[b] == want).float().mean() > 0.8
 
 
 _HEAP_PROBE = """

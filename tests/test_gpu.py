@@ -3,7 +3,8 @@ no CUDA device is visible. One command runs them on a GPU node: ``bash scripts/t
 
 - cuda_ipc between two processes: blocks move device to device, bit-exact, checksummed,
   the lease acknowledged; a corrupted copy is caught.
-- The engine on a GPU, float32: batched greedy decode equals ``model.generate`` there.
+- The engine on a GPU, float32: batched greedy decode equals ``model.generate`` there, with
+  decode steps replayed from CUDA graphs (the default) and without.
 - The whole cluster on GPUs: prefill and decode each on its own GPU where there are two
   (``multi_gpu``), both on one GPU otherwise; KV over cuda_ipc; output equals the reference.
 
@@ -89,18 +90,24 @@ def test_cuda_ipc_moves_blocks_between_two_processes(mode):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_engine_on_a_gpu_decodes_batched_prompts_as_generate_does():
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_engine_on_a_gpu_decodes_batched_prompts_as_generate_does(cuda_graphs):
     from conftest import reference_generate, tiny_model
     from pdserve.engine.engine import Engine, EngineConfig
     from test_engine import assert_all_blocks_free, generate_all, random_prompts
 
     model = tiny_model("llama").to("cuda")
-    engine = Engine(model, EngineConfig(num_blocks=128, block_size=4, chunk_size=32, max_num_batched_tokens=64), frozenset({2}), 512)
+    config = EngineConfig(num_blocks=128, block_size=4, chunk_size=32, max_num_batched_tokens=64, optimize=cuda_graphs)
+    engine = Engine(model, config, frozenset({2}), 512)
     assert engine.kv_cache.k.is_cuda
+    assert (engine.runner.graphs is not None) == cuda_graphs  # on by default on a GPU; optimize=False turns it off
     prompts = random_prompts([3, 17, 40, 70], seed=11)
     seqs = generate_all(engine, prompts, 12)
     for seq, prompt in zip(seqs, prompts):
         assert seq.token_ids[len(prompt):] == reference_generate(model, prompt, 12, ignore_eos=True)
+    if cuda_graphs:  # the decode steps replayed graphs: 4 sequences, then fewer as they finish
+        assert all(step.graph is not None for step in engine.runner.graphs.steps.values())
+        assert (4, 32) in engine.runner.graphs.steps  # 70 + 12 tokens: 21 blocks of 4, bucket 32
     assert_all_blocks_free(engine)
 
 

@@ -38,11 +38,14 @@ class AttentionContext:
     context_slots: list[torch.Tensor]  # per sequence: [context_len] slots of its whole context
     # decode-only steps (one new token per sequence):
     decode_block_ids: torch.Tensor | None = None  # [num_seqs * max_blocks] block tables, padded
-    decode_mask: torch.Tensor | None = None  # [num_seqs, max_blocks * block_size] bool, True = attend (SDPA path)
+    decode_mask: torch.Tensor | None = None  # [num_seqs, max_blocks * block_size] bool, True = attend; None = one sequence, sliced
     decode_block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32 (kernel path)
     decode_context_lens: torch.Tensor | None = None  # [num_seqs] int32 (kernel path)
     # layer-wise streaming: (LayerProgress, tokens written once this step's layer is stored)
     kv_progress: list[tuple[object, int]] | None = None
+    # gather buffers by name; None = this module's, reallocated when too small (CUDA graphs
+    # pass their own, sized once, as a graph keeps their address)
+    workspaces: dict[str, torch.Tensor] | None = None
 
 
 _context: AttentionContext | None = None
@@ -56,23 +59,24 @@ def set_context(context: AttentionContext | None) -> None:
 _workspaces: dict[str, torch.Tensor] = {}
 
 
-def _workspace(name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+def _workspace(name: str, numel: int, like: torch.Tensor, workspaces: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """A reused flat buffer: fresh multi-MB allocations cost page faults on every step."""
-    buf = _workspaces.get(name)
+    workspaces = _workspaces if workspaces is None else workspaces
+    buf = workspaces.get(name)
     if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
-        buf = _workspaces[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        buf = workspaces[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel]
 
 
-def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, workspace: str) -> torch.Tensor:
+def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, workspace: str, workspaces: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """blocks: [kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, len(block_ids), block_size, head_dim].
 
     Copies whole blocks (as ``kv_cache.block_rows``) into a reused buffer, valid until the
-    next call with the same ``workspace``.
+    next call with the same ``workspace`` name (in ``workspaces``, default this module's).
     """
     heads, num_blocks, block_size, head_dim = blocks.shape
     rows = block_rows(blocks, num_blocks)  # [kv_heads, num_blocks, block words]
-    out = _workspace(workspace, heads * len(block_ids) * rows.shape[2], rows).view(heads, len(block_ids), rows.shape[2])
+    out = _workspace(workspace, heads * len(block_ids) * rows.shape[2], rows, workspaces).view(heads, len(block_ids), rows.shape[2])
     torch.index_select(rows, 1, block_ids, out=out)
     return out.view(blocks.dtype).view(heads, len(block_ids), block_size, head_dim)
 
@@ -90,13 +94,13 @@ def _decode_gathered(module, query, k_blocks, v_blocks, ctx: AttentionContext, s
     # query: [1, heads, B, head_dim]; k_blocks: [kv_heads, num_blocks, block_size, head_dim]
     num_kv_heads, _, block_size, head_dim = k_blocks.shape
     batch = len(ctx.context_lens)
-    k = gather_blocks(k_blocks, ctx.decode_block_ids, "k").view(num_kv_heads, batch, -1, head_dim)  # [kv_heads, B, S, head_dim]
-    v = gather_blocks(v_blocks, ctx.decode_block_ids, "v").view(num_kv_heads, batch, -1, head_dim)
+    k = gather_blocks(k_blocks, ctx.decode_block_ids, "k", ctx.workspaces).view(num_kv_heads, batch, -1, head_dim)  # [kv_heads, B, S, head_dim]
+    v = gather_blocks(v_blocks, ctx.decode_block_ids, "v", ctx.workspaces).view(num_kv_heads, batch, -1, head_dim)
     # transformers' own SDPA (reference numerics): [B, heads, 1, head_dim] against [B, kv_heads, S, head_dim]
     q = query[0].transpose(0, 1).unsqueeze(2)
     k, v = k.transpose(0, 1), v.transpose(0, 1)
     mask = None
-    if batch == 1:
+    if ctx.decode_mask is None:  # one sequence: its context exactly, as the reference's call
         k, v = k[:, :, : ctx.context_lens[0]], v[:, :, : ctx.context_lens[0]]
     else:
         mask = ctx.decode_mask[:, None, None, :]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.allocator import keep_freed_memory
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.errors import InvalidRequestError
 from pdserve.engine.fast_linear import can_pack, pack_linears
 from pdserve.engine.kv_cache import PagedKVCache
@@ -32,15 +33,20 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # new tokens per forward
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
     enable_prefix_caching: bool = True
-    # packed oneDNN weights for bf16 linear layers, and a C heap that keeps freed memory
-    # (allocator.py); both bit-identical, faster. False = plain nn.Linear and malloc defaults
+    # CPU: packed oneDNN weights for bf16 linear layers, and a C heap that keeps freed memory
+    # (allocator.py); both bit-identical, faster. GPU: CUDA graphs for decode (cuda_graphs).
+    # False = plain nn.Linear, malloc defaults, eager GPU steps
     optimize: bool = True
     # decode attention by pdserve's C kernel, reading KV in place from the blocks: 1.4x faster
-    # decode steps at batch 32 here. It rounds as torch's flash attention does, but sums in
-    # another order, so ~2% of bf16 attention outputs differ by one bf16 step and greedy
-    # tokens flip at log-prob gaps up to ~0.13, beyond the 0.05 near-tie rule the bf16
-    # equivalence tests hold; hence opt-in. False (or no C compiler) = gather + torch SDPA.
+    # decode steps at batch 1 and 32 here. In bf16 it follows torch's flash attention bit for
+    # bit but for ~1 in 100,000 outputs (kernels/paged_attention.c); batched, the test prompts
+    # still flip one greedy token at a log-prob gap of 0.13, beyond the 0.05 near-tie rule the
+    # bf16 equivalence test holds; hence opt-in. False (or no C compiler) = gather + torch SDPA.
     decode_kernel: bool = False
+    # decode steps replayed from CUDA graphs (cuda_graphs.py; takes the pool's last block as
+    # padding scratch). None = on where the model is on a GPU and ``optimize`` is on. True on
+    # the CPU runs the same padded static-shape steps eagerly (what the CPU tests check).
+    cuda_graphs: bool | None = None
 
 
 class Engine:
@@ -55,13 +61,21 @@ class Engine:
         self.kv_spec = KVSpec.from_model_config(model.config, model.dtype)
         self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device, kv_shm_path,
                                      cuda_ipc=kv_cuda_ipc)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        device = self.kv_cache.device
+        use_graphs = config.cuda_graphs if config.cuda_graphs is not None else (config.optimize and device.type == "cuda")
+        if use_graphs and config.num_blocks < 2:
+            raise ValueError("CUDA graphs take one KV block as scratch: the pool needs at least 2 blocks")
+        num_usable_blocks = config.num_blocks - 1 if use_graphs else config.num_blocks  # the last block is the graphs' scratch
+        self.block_manager = BlockManager(num_usable_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
         if config.optimize and can_pack(model):
             pack_linears(model)
-        if config.optimize and self.kv_cache.device.type == "cpu":
+        if config.optimize and device.type == "cpu":
             keep_freed_memory()
-        self.runner = PagedModelRunner(model, self.kv_cache, decode_kernel=config.decode_kernel)
+        graphs = None
+        if use_graphs:
+            graphs = DecodeGraphs(model, self.kv_cache, config.num_blocks - 1, config.max_num_seqs, max_model_len, capture=device.type == "cuda")
+        self.runner = PagedModelRunner(model, self.kv_cache, decode_kernel=config.decode_kernel, graphs=graphs)
         self.lock = threading.RLock()  # guards the scheduler and block manager
         self.num_steps = 0
         self.num_tokens_computed = 0

@@ -11,18 +11,21 @@ import torch
 
 from pdserve.engine import paged_decode
 from pdserve.engine.attention import ATTN_IMPLEMENTATION, AttentionContext, set_context
+from pdserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureFailed
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.sequence import Sequence
 
 
 class PagedModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool = False):
+    def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool = False, graphs: DecodeGraphs | None = None):
+        """``graphs``: run the decode steps they can take from CUDA graphs (cuda_graphs.py)."""
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
         # decode attention in place over the blocks (C kernel) where it runs; else gather + SDPA
         self.decode_kernel = decode_kernel and paged_decode.supports(kv_cache.spec.dtype, self.device)
+        self.graphs = graphs
 
     def _context(self, batch: list[tuple[Sequence, int]]) -> tuple[AttentionContext, list[int], list[int]]:
         input_ids, positions, new_slots, context_slots, query_starts, context_lens = [], [], [], [], [0], []
@@ -49,14 +52,20 @@ class PagedModelRunner:
                 ctx.decode_context_lens = torch.tensor(context_lens, dtype=torch.int32)  # [B]
             else:  # block-granular gather into a padded batch
                 ctx.decode_block_ids = torch.tensor(tables, dtype=torch.long, device=self.device).view(-1)  # [B * max_blocks]
-                lens = torch.tensor(context_lens, device=self.device)
-                ctx.decode_mask = torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None]  # [B, S]
+                if len(batch) > 1:  # one sequence attends over exactly its context, unmasked
+                    lens = torch.tensor(context_lens, device=self.device)
+                    ctx.decode_mask = torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None]  # [B, S]
         return ctx, input_ids, positions
 
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run one step; returns logits [len(batch), vocab] (float32, on the CPU, where
         sampling runs) at each sequence's last new token."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            try:
+                return self.graphs.forward(batch)
+            except GraphCaptureFailed:  # logged; this and every later step run eagerly
+                pass
         ctx, input_ids, positions = self._context(batch)
         last_token_index = torch.tensor(ctx.query_starts[1:], device=self.device) - 1  # [num_seqs]
         set_context(ctx)

@@ -14,7 +14,12 @@
  * which the reference model.generate runs: scores q.k in float32, then scaled; keys taken in splits
  * of `split` tokens (torch: 512) with a running max; exp(s - max) summed in float32 and rounded to
  * the storage dtype before P @ V, which accumulates in float32; output = acc * (1 / sum), rounded
- * once. Only the float32 summation order and the exp implementation differ.
+ * once. For bf16 the kernel also follows torch 2.13's operations bit for bit, as measured on this
+ * CPU with probes whose sums cancel only in one order: its exp (fexp_u20, not exp_u20), the
+ * four-chain order of q.k (scores_bf16) and the groups of four rows of P @ V (pv_bf16). On the
+ * real model 7.6e-6 of the outputs still differ from torch's by one bf16 step; torch's own
+ * result for a head can change with the call's layout (2 of 15 such cases did). float32 keeps
+ * its own order (results within float32 rounding of torch's).
  *
  * Built with cc -O3 -march=native by kernels/__init__.py; one thread per call.
  */
@@ -107,6 +112,25 @@ static inline float exp_like_torch(float x) {
 }
 
 #ifdef __AVX512F__
+/* exp(x) as torch's flash attention computes it for bf16/fp16 outputs (Vectorized<float>::fexp_u20
+ * in aten/src/ATen/cpu/vec/vec512/vec512_float.h; Malossi et al., "Fast Exponential Computation
+ * on SIMD Architectures", 2015): 2^(x log2 e) with the fraction's 2^f corrected by a cubic and
+ * written straight into the float's bits. Note fexp(0) = 0.99989 (bits 0x3f7ffc80), not 1. */
+static inline __m512 fexp_u20(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50)), _CMP_LT_OS);
+    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218)), _CMP_GT_OS);
+    __m512 src = _mm512_mul_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b))); /* x log2(e) */
+    const __m512 frac = _mm512_sub_ps(src, _mm512_floor_ps(src));
+    __m512 c = _mm512_fmadd_ps(frac, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
+    c = _mm512_fmadd_ps(frac, c, _mm512_set1_ps(0.30354260500649682f));
+    c = _mm512_fmadd_ps(frac, c, _mm512_set1_ps(0.00010703434948458272f));
+    src = _mm512_sub_ps(src, c);
+    __m512i bits = _mm512_cvttps_epi32(_mm512_fmadd_ps(_mm512_set1_ps(8388608.f), src, _mm512_set1_ps(8388608.f * 127.f)));
+    bits = _mm512_mask_mov_epi32(bits, under, _mm512_setzero_si512());
+    bits = _mm512_mask_mov_epi32(bits, over, _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(bits);
+}
+
 /* The two loops of one split for head_dim = 16 * HDV and GROUP query heads per K/V head, with
  * every K/V row loaded and converted once and the GROUP accumulators held in registers. */
 static inline __attribute__((always_inline)) void scores_fast(
@@ -180,6 +204,125 @@ static inline __attribute__((always_inline)) int pv_dispatch(
 #define pv_dispatch(...) 0
 #endif
 
+/* fexp_u20 (below) in scalar C, for builds without AVX-512: the same operations in the same order. */
+static inline float fexp_scalar(float x) {
+    if (x < -87.33654475f) return 0.f;
+    if (x > 88.72283936f) return INFINITY;
+    float src = x * 1.44269502f;
+    const float frac = src - floorf(src);
+    float c = fmaf(frac, -0.079204240219773236f, -0.22433836478672356f);
+    c = fmaf(frac, c, 0.30354260500649682f);
+    c = fmaf(frac, c, 0.00010703434948458272f);
+    src = src - c;
+    const int32_t bits = (int32_t)fmaf(8388608.f, src, 8388608.f * 127.f);
+    float y;
+    memcpy(&y, &bits, 4);
+    return y;
+}
+
+/* bf16 scores, summed as torch's CPU flash attention sums q.k for bf16 (measured bit for bit
+ * against torch 2.13 on this CPU, tests/test_engine.py): products in float32 (exact for bf16
+ * inputs), four partial sums over the head dims d = 0, 1, 2, 3 (mod 4), each in order of d,
+ * combined as (s0 + s2) + (s1 + s3); then times scale. */
+static void scores_bf16(const float *qf, const uint16_t *k, const int64_t *rows, int64_t n, float scale, float *scores,
+                        int64_t split, float *split_max, int64_t head_dim, int64_t group) {
+    int64_t t = 0;
+#ifdef __AVX512F__
+    /* four K rows per register: lanes [row0 d..d+3 | row1 | row2 | row3], the chains of one
+     * row in its quarter; then (s0 + s2) + (s1 + s3) within each quarter */
+    if (head_dim % 4 == 0 && group <= 8)
+        for (; t + 4 <= n; t += 4) {
+            const uint16_t *r0 = k + rows[t], *r1 = k + rows[t + 1], *r2 = k + rows[t + 2], *r3 = k + rows[t + 3];
+            __m512 acc[8];
+            for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 4) {
+                int64_t w0, w1, w2, w3;
+                memcpy(&w0, r0 + d, 8); memcpy(&w1, r1 + d, 8); memcpy(&w2, r2 + d, 8); memcpy(&w3, r3 + d, 8);
+                const __m512 k16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_set_epi64x(w3, w2, w1, w0)), 16));
+                for (int64_t g = 0; g < group; g++)
+                    acc[g] = _mm512_fmadd_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(qf + g * head_dim + d)), k16, acc[g]);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 h = _mm512_add_ps(acc[g], _mm512_shuffle_ps(acc[g], acc[g], 0x4E)); /* [s0+s2, s1+s3, s2+s0, s3+s1] */
+                const __m512 r = _mm512_add_ps(h, _mm512_shuffle_ps(h, h, 0xB1));                  /* lane 0 of each quarter */
+                float out[16];
+                _mm512_storeu_ps(out, _mm512_mul_ps(r, _mm512_set1_ps(scale)));
+                for (int j = 0; j < 4; j++) {
+                    scores[g * split + t + j] = out[4 * j];
+                    if (out[4 * j] > split_max[g]) split_max[g] = out[4 * j];
+                }
+            }
+        }
+#endif
+    for (; t < n; t++) {
+        const uint16_t *kr = k + rows[t];
+        int64_t g0 = 0;
+#ifdef __AVX512F__
+        if (head_dim % 4 == 0) /* up to 4 heads at a time: each K row loaded and converted once per 4 heads */
+            for (; g0 < group; g0 += 4) {
+                const int64_t ng = group - g0 < 4 ? group - g0 : 4;
+                __m128 acc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+                for (int64_t d = 0; d < head_dim; d += 4) {
+                    const __m128 k4 = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(kr + d))), 16));
+                    for (int64_t g = 0; g < ng; g++) acc[g] = _mm_fmadd_ps(_mm_loadu_ps(qf + (g0 + g) * head_dim + d), k4, acc[g]);
+                }
+                for (int64_t g = 0; g < ng; g++) {
+                    const __m128 half = _mm_add_ps(acc[g], _mm_movehl_ps(acc[g], acc[g])); /* [s0 + s2, s1 + s3, ..] */
+                    const float s = (_mm_cvtss_f32(half) + _mm_cvtss_f32(_mm_shuffle_ps(half, half, 1))) * scale;
+                    scores[(g0 + g) * split + t] = s;
+                    if (s > split_max[g0 + g]) split_max[g0 + g] = s;
+                }
+            }
+#endif
+        for (int64_t g = g0; g < group; g++) {
+            const float *q = qf + g * head_dim;
+            float l[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int64_t d = 0; d < head_dim; d++) l[d % 4] += q[d] * bf16_to_f32(kr[d]);
+            const float s = ((l[0] + l[2]) + (l[1] + l[3])) * scale;
+            scores[g * split + t] = s;
+            if (s > split_max[g]) split_max[g] = s;
+        }
+    }
+}
+
+/* acc += P @ V for bf16, summed as torch's CPU flash attention does (measured as above): rows
+ * in groups of four (the last padded with zeros), each group summed as (p0 v0 + p2 v2) + (p1 v1
+ * + p3 v3) and added to the running float32 accumulator, which carries on from the rescaled
+ * result of the previous split. p is already rounded to bf16, so every product is exact. */
+static void pv_bf16(const float *scores, int64_t split, const uint16_t *v, const int64_t *rows, int64_t n, float *acc,
+                    int64_t head_dim, int64_t group) {
+    for (int64_t t = 0; t < n; t += 4) {
+        const uint16_t *vr[4];
+        float p[64][4];
+        for (int j = 0; j < 4; j++) vr[j] = t + j < n ? v + rows[t + j] : NULL;
+        for (int64_t g = 0; g < group; g++)
+            for (int j = 0; j < 4; j++) p[g][j] = t + j < n ? scores[g * split + t + j] : 0.f;
+        int64_t d = 0;
+#ifdef __AVX512F__
+        for (; d + 16 <= head_dim; d += 16) {
+            __m512 vv[4];
+            for (int j = 0; j < 4; j++)
+                vv[j] = vr[j] ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[j] + d))), 16))
+                              : _mm512_setzero_ps();
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 s02 = _mm512_fmadd_ps(_mm512_set1_ps(p[g][2]), vv[2], _mm512_mul_ps(_mm512_set1_ps(p[g][0]), vv[0]));
+                const __m512 s13 = _mm512_fmadd_ps(_mm512_set1_ps(p[g][3]), vv[3], _mm512_mul_ps(_mm512_set1_ps(p[g][1]), vv[1]));
+                float *a = acc + g * head_dim + d;
+                _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_add_ps(s02, s13)));
+            }
+        }
+#endif
+        for (; d < head_dim; d++) {
+            float x[4];
+            for (int j = 0; j < 4; j++) x[j] = vr[j] ? bf16_to_f32(vr[j][d]) : 0.f;
+            for (int64_t g = 0; g < group; g++) {
+                const float s02 = p[g][0] * x[0] + p[g][2] * x[2], s13 = p[g][1] * x[1] + p[g][3] * x[3];
+                acc[g * head_dim + d] += s02 + s13;
+            }
+        }
+    }
+}
+
 /* sc[t] <- exp(sc[t] - max), rounded to bf16 when the KV is bf16 (torch rounds P to the
  * storage dtype before P @ V); returns the float32 sum of the unrounded values. As torch's
  * _exp_reduce_sum_fusion_kernel: 16-lane exps and sums, a tree reduction, then a scalar tail. */
@@ -189,6 +332,13 @@ static float exp_and_sum(float *sc, int64_t n, float max, int bf16) {
 #ifdef __AVX512F__
     const __m512 vmax = _mm512_set1_ps(max), lo = _mm512_set1_ps(-87.33654475f), hi = _mm512_set1_ps(88.72283936f);
     __m512 acc = _mm512_setzero_ps();
+    if (bf16) {
+        for (int64_t t = 0; t < body; t += 16) {
+            const __m512 y = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(sc + t), vmax));
+            acc = _mm512_add_ps(acc, y);
+            _mm512_storeu_ps(sc + t, y);
+        }
+    } else
     for (int64_t t = 0; t < body; t += 16) {
         const __m512 x0 = _mm512_sub_ps(_mm512_loadu_ps(sc + t), vmax);
         const __mmask16 under = _mm512_cmp_ps_mask(x0, lo, _CMP_LT_OS);
@@ -210,7 +360,7 @@ static float exp_and_sum(float *sc, int64_t n, float max, int bf16) {
     sum = _mm512_reduce_add_ps(acc);
 #else
     float lanes[16] = {0};
-    for (int64_t t = 0; t < body; t++) sc[t] = exp_like_torch(sc[t] - max);
+    for (int64_t t = 0; t < body; t++) sc[t] = bf16 ? fexp_scalar(sc[t] - max) : exp_like_torch(sc[t] - max);
     for (int64_t t = 0; t < body; t += 16)
         for (int j = 0; j < 16; j++) lanes[j] += sc[t + j];
     for (int step = 8; step > 0; step /= 2)
@@ -255,7 +405,9 @@ static inline __attribute__((always_inline)) void attend(
                     const int64_t pos = s0 + t;
                     rows[t] = kvh * cache_stride_h + ((int64_t)table[pos / block_size] * block_size + pos % block_size) * head_dim;
                 }
-                if (!scores_dispatch(qf, k, rows, n, scale, scores, split, split_max, bf16, head_dim, group))
+                if (bf16)
+                    scores_bf16(qf, (const uint16_t *)k, rows, n, scale, scores, split, split_max, head_dim, group);
+                else if (!scores_dispatch(qf, k, rows, n, scale, scores, split, split_max, bf16, head_dim, group))
                 for (int64_t t = 0; t < n; t++) { /* scores of every head in the group against one K row */
                     const int64_t row = rows[t];
                     for (int64_t g = 0; g < group; g++) {
@@ -269,12 +421,14 @@ static inline __attribute__((always_inline)) void attend(
                     float *sc = scores + g * split;
                     const float sum = exp_and_sum(sc, n, new_max, bf16);
                     const float correction = expf(row_max[g] - new_max);
-                    row_sum[g] = sum + correction * row_sum[g];
+                    row_sum[g] = bf16 ? fmaf(correction, row_sum[g], sum) : sum + correction * row_sum[g]; /* torch's build fuses this for bf16 */
                     row_max[g] = new_max;
                     if (s0 > 0)
                         for (int64_t d = 0; d < head_dim; d++) acc[g * head_dim + d] *= correction;
                 }
-                if (!pv_dispatch(scores, split, v, rows, n, acc, bf16, head_dim, group))
+                if (bf16)
+                    pv_bf16(scores, split, (const uint16_t *)v, rows, n, acc, head_dim, group);
+                else if (!pv_dispatch(scores, split, v, rows, n, acc, bf16, head_dim, group))
                 for (int64_t t = 0; t < n; t++) { /* acc += P @ V, every head in the group per V row */
                     const int64_t row = rows[t];
                     for (int64_t g = 0; g < group; g++) {
