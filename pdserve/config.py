@@ -95,7 +95,9 @@ class PoolConfig:
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
     enable_prefix_caching: bool = True
     optimize: bool = True  # CPU: packed oneDNN bf16 weights, C heap kept (bit-identical); GPU: CUDA graphs for decode
-    decode_kernel: bool = False  # C paged decode attention over blocks in place (faster; see engine.py)
+    # C paged decode attention over blocks in place (faster; see engine.py); null = on where it
+    # rounds as the reference does (bf16 on a CPU), true/false = always/never
+    decode_kernel: bool | None = None
 
 
 KV_BACKENDS = ("grpc", "shm", "cuda_ipc", "auto")
@@ -238,6 +240,11 @@ class ClusterConfig:
             for key in ("max_step_s", "health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s"):
                 if not isinstance(getattr(pool, key), (int, float)) or not getattr(pool, key) > 0:
                     raise ConfigError(f"{name}.{key} must be > 0 seconds")
+            for key in ("optimize", "enable_prefix_caching"):
+                if not isinstance(getattr(pool, key), bool):
+                    raise ConfigError(f"{name}.{key} must be true or false, not {getattr(pool, key)!r}")
+            if pool.decode_kernel not in (None, True, False):
+                raise ConfigError(f"{name}.decode_kernel must be null (auto), true or false, not {pool.decode_kernel!r}")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
                 raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")
             try:

@@ -261,6 +261,36 @@ def test_paged_decode_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim):
             assert (diff <= want.float().abs() * 2**-6 + 2**-10).all(), diff.max()
 
 
+@pytest.mark.parametrize("in_features,out_features", [(1536, 576), (576, 1536), (576, 192), (64, 32)])
+def test_exact_gemv_rows_equal_onednns_lone_rows(in_features, out_features):
+    """Rows of a batched decode step through a bf16 linear layer get the bits oneDNN gives each
+    row alone (its GEMV); prompt rows in the same step keep oneDNN's GEMM bits, even alone."""
+    from pdserve.engine import attention, exact_gemv
+    from pdserve.engine.fast_linear import pack_linears
+
+    if not exact_gemv.available():
+        pytest.skip("needs AVX512-BF16: elsewhere decode rows keep oneDNN's GEMM")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=False).bfloat16()
+    pack_linears(linear)
+    linear._gemv_pairs, linear._gemv_required = exact_gemv.pack(linear.weight), True
+    x = exact_gemv._probe_rows(in_features, 7, seed=1)  # sums that round differently in other orders
+    with torch.inference_mode():
+        alone = torch.cat([torch.nn.functional.linear(x[i : i + 1], linear.weight) for i in range(7)])  # oneDNN GEMV
+        gemm = torch.nn.functional.linear(x, linear.weight)  # oneDNN GEMM
+        assert torch.equal(exact_gemv.gemv_rows(x, linear._gemv_pairs), alone)
+        ctx = attention.AttentionContext(None, torch.zeros(7, dtype=torch.long), [0, 1, 2, 3, 4, 5, 6, 7], [1] * 7, [])
+        for decode_rows in ([0, 1, 2, 3, 4, 5, 6], [1, 4], [0, 1, 2, 3, 4, 5]):  # the last leaves one prompt row
+            ctx.gemv_rows = torch.tensor(decode_rows)
+            attention.set_context(ctx)
+            try:
+                out = linear(x)
+            finally:
+                attention.set_context(None)
+            for i in range(7):
+                assert torch.equal(out[i], alone[i] if i in decode_rows else gemm[i]), (decode_rows, i)
+
+
 _HEAP_PROBE = """
 import ctypes, sys, torch
 from pdserve.engine import allocator

@@ -46,6 +46,13 @@ class AttentionContext:
     # gather buffers by name; None = this module's, reallocated when too small (CUDA graphs
     # pass their own, sized once, as a graph keeps their address)
     workspaces: dict[str, torch.Tensor] | None = None
+    # rows of the step's tokens that the reference computes in a one-token forward (decode
+    # tokens): bf16 linear layers sum them as a lone row (exact_gemv.py); None = no such rows
+    gemv_rows: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_starts[-1]
 
 
 _context: AttentionContext | None = None
@@ -54,6 +61,10 @@ _context: AttentionContext | None = None
 def set_context(context: AttentionContext | None) -> None:
     global _context
     _context = context
+
+
+def current_context() -> AttentionContext | None:
+    return _context
 
 
 _workspaces: dict[str, torch.Tensor] = {}

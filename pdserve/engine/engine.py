@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pdserve.engine import exact_gemv
 from pdserve.engine.allocator import keep_freed_memory
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.cuda_graphs import DecodeGraphs
@@ -37,12 +38,14 @@ class EngineConfig:
     # (allocator.py); both bit-identical, faster. GPU: CUDA graphs for decode (cuda_graphs).
     # False = plain nn.Linear, malloc defaults, eager GPU steps
     optimize: bool = True
-    # decode attention by pdserve's C kernel, reading KV in place from the blocks: 1.4x faster
-    # decode steps at batch 1 and 32 here. In bf16 it follows torch's flash attention bit for
-    # bit but for ~1 in 100,000 outputs (kernels/paged_attention.c); batched, the test prompts
-    # still flip one greedy token at a log-prob gap of 0.13, beyond the 0.05 near-tie rule the
-    # bf16 equivalence test holds; hence opt-in. False (or no C compiler) = gather + torch SDPA.
-    decode_kernel: bool = False
+    # decode attention by pdserve's C kernel, reading KV in place from the blocks: 1.3-1.4x
+    # faster decode steps at batch 1 and 32 here. In bf16 it rounds as torch's flash attention
+    # does (kernels/paged_attention.c; ~1 in 130,000 outputs one bf16 step off), and with the
+    # decode rows' exact GEMV (exact_gemv.py, part of ``optimize``) a batched bf16 step gives
+    # each sequence the reference's tokens. In float32 it sums in its own order, while gather +
+    # torch SDPA is the reference's kernel. None = on for bf16 on a CPU; False (or no C
+    # compiler) = gather + torch SDPA.
+    decode_kernel: bool | None = None
     # decode steps replayed from CUDA graphs (cuda_graphs.py; takes the pool's last block as
     # padding scratch). None = on where the model is on a GPU and ``optimize`` is on. True on
     # the CPU runs the same padded static-shape steps eagerly (what the CPU tests check).
@@ -70,6 +73,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
         if config.optimize and can_pack(model):
             pack_linears(model)
+            exact_gemv.prepare(model)  # decode rows of a batch summed as the reference's lone row
         if config.optimize and device.type == "cpu":
             keep_freed_memory()
         graphs = None

@@ -15,6 +15,8 @@ import types
 
 import torch
 
+from pdserve.engine import attention, exact_gemv
+
 
 def can_pack(model) -> bool:
     device = next(model.parameters()).device
@@ -26,11 +28,37 @@ def can_pack(model) -> bool:
     )
 
 
+def _onednn(self, rows: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, self._packed_weight, self.bias, "none", [None], "")
+
+
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     # x: [..., in_features] -> [..., out_features]
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, self._packed_weight, self.bias, "none", [None], "")
+    rows = x.reshape(-1, x.shape[-1])  # [M, in_features]
+    ctx = attention.current_context()
+    if (ctx is not None and ctx.gemv_rows is not None and getattr(self, "_gemv_pairs", None) is not None
+            and rows.shape[0] == ctx.num_tokens and (self._gemv_required or len(ctx.gemv_rows) <= exact_gemv.FEW_ROWS)):
+        out = _split_rows(self, rows, ctx.gemv_rows)
+    else:
+        out = _onednn(self, rows)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _split_rows(self, rows: torch.Tensor, gemv_rows: torch.Tensor) -> torch.Tensor:
+    """Decode rows (``gemv_rows``, indices) summed as oneDNN sums a lone row (exact_gemv.py);
+    the others by oneDNN's GEMM, as the reference's prompt forward computes them."""
+    if len(gemv_rows) == rows.shape[0]:
+        return exact_gemv.gemv_rows(rows, self._gemv_pairs)
+    out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
+    out[gemv_rows] = exact_gemv.gemv_rows(rows[gemv_rows], self._gemv_pairs)
+    keep = torch.ones(rows.shape[0], dtype=torch.bool)
+    keep[gemv_rows] = False
+    others = rows[keep]
+    if len(others) == 1:  # oneDNN would take its GEMV path for one row: two rows keep the GEMM's sums
+        out[keep] = _onednn(self, others.expand(2, -1).contiguous())[:1]
+    else:
+        out[keep] = _onednn(self, others)
+    return out
 
 
 def pack_linears(model) -> int:

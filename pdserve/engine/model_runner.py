@@ -17,13 +17,16 @@ from pdserve.engine.sequence import Sequence
 
 
 class PagedModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool = False, graphs: DecodeGraphs | None = None):
-        """``graphs``: run the decode steps they can take from CUDA graphs (cuda_graphs.py)."""
+    def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool | None = None, graphs: DecodeGraphs | None = None):
+        """``decode_kernel``: None = where it rounds as the reference (bf16); ``graphs``: run the
+        decode steps they can take from CUDA graphs (cuda_graphs.py)."""
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
         # decode attention in place over the blocks (C kernel) where it runs; else gather + SDPA
+        if decode_kernel is None:
+            decode_kernel = kv_cache.spec.dtype == torch.bfloat16
         self.decode_kernel = decode_kernel and paged_decode.supports(kv_cache.spec.dtype, self.device)
         self.graphs = graphs
 
@@ -41,6 +44,10 @@ class PagedModelRunner:
             query_starts.append(query_starts[-1] + num_new)
             context_lens.append(end)
         ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots)
+        # tokens the reference computes alone: generated ones, and a one-token prompt
+        gemv_rows = [query_starts[i] for i, (seq, n) in enumerate(batch)
+                     if n == 1 and (seq.num_computed_tokens >= seq.num_prompt_tokens or seq.num_prompt_tokens == 1)]
+        ctx.gemv_rows = torch.tensor(gemv_rows, dtype=torch.long) if gemv_rows else None
         ctx.kv_progress = [(seq.kv_progress, min(seq.num_computed_tokens + n, seq.num_prompt_tokens))
                            for seq, n in batch if seq.kv_progress is not None] or None
         if decode_only:

@@ -2,6 +2,7 @@
 
 - ``paged_attention.c``: decode attention over KV blocks in place (engine/paged_decode.py).
 - ``kv_blocks.c``: block copies and checksums for the shm KV transfer backend.
+- ``bf16_gemv.c``: batched bf16 GEMVs summed as oneDNN sums one row (engine/exact_gemv.py).
 
 Each is built with the system C compiler (``cc -O3 -march=native``) into
 ``~/.cache/pdserve/kernels/`` (``PDSERVE_CACHE_DIR`` moves it), keyed by a hash of the
@@ -31,6 +32,11 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
     "paged_attention": {
         name: (None, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _ptr, _ptr])
         for name in ("paged_decode_attention_bf16", "paged_decode_attention_f32")
+    },
+    "bf16_gemv": {
+        "bf16_gemv_available": (ctypes.c_int, []),
+        "pack_pairs": (None, [_ptr, _i64, _i64, _ptr]),
+        "bf16_gemv_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]),
     },
     "kv_blocks": {
         "kv_checksum_blocks": (_u64, [_ptr, _i64, _i64, _ptr, _i64, _i64, _u64]),

@@ -230,17 +230,24 @@ static void scores_bf16(const float *qf, const uint16_t *k, const int64_t *rows,
 #ifdef __AVX512F__
     /* four K rows per register: lanes [row0 d..d+3 | row1 | row2 | row3], the chains of one
      * row in its quarter; then (s0 + s2) + (s1 + s3) within each quarter */
-    if (head_dim % 4 == 0 && group <= 8)
+    if (head_dim % 16 == 0 && group <= 8)
         for (; t + 4 <= n; t += 4) {
             const uint16_t *r0 = k + rows[t], *r1 = k + rows[t + 1], *r2 = k + rows[t + 2], *r3 = k + rows[t + 3];
             __m512 acc[8];
             for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
-            for (int64_t d = 0; d < head_dim; d += 4) {
-                int64_t w0, w1, w2, w3;
-                memcpy(&w0, r0 + d, 8); memcpy(&w1, r1 + d, 8); memcpy(&w2, r2 + d, 8); memcpy(&w3, r3 + d, 8);
-                const __m512 k16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_set_epi64x(w3, w2, w1, w0)), 16));
-                for (int64_t g = 0; g < group; g++)
-                    acc[g] = _mm512_fmadd_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(qf + g * head_dim + d)), k16, acc[g]);
+            for (int64_t c = 0; c < head_dim; c += 16) {
+                /* 4 x 4 transpose of 64-bit pieces (4 dims each): z[i] = dims c + 4i .. c + 4i + 3 of rows 0-3 */
+                const __m256i a0 = _mm256_loadu_si256((const __m256i *)(r0 + c)), a1 = _mm256_loadu_si256((const __m256i *)(r1 + c));
+                const __m256i a2 = _mm256_loadu_si256((const __m256i *)(r2 + c)), a3 = _mm256_loadu_si256((const __m256i *)(r3 + c));
+                const __m256i t0 = _mm256_unpacklo_epi64(a0, a1), t1 = _mm256_unpackhi_epi64(a0, a1);
+                const __m256i t2 = _mm256_unpacklo_epi64(a2, a3), t3 = _mm256_unpackhi_epi64(a2, a3);
+                const __m256i z[4] = {_mm256_permute2x128_si256(t0, t2, 0x20), _mm256_permute2x128_si256(t1, t3, 0x20),
+                                      _mm256_permute2x128_si256(t0, t2, 0x31), _mm256_permute2x128_si256(t1, t3, 0x31)};
+                for (int i = 0; i < 4; i++) {
+                    const __m512 k16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(z[i]), 16));
+                    for (int64_t g = 0; g < group; g++)
+                        acc[g] = _mm512_fmadd_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(qf + g * head_dim + c + 4 * i)), k16, acc[g]);
+                }
             }
             for (int64_t g = 0; g < group; g++) {
                 const __m512 h = _mm512_add_ps(acc[g], _mm512_shuffle_ps(acc[g], acc[g], 0x4E)); /* [s0+s2, s1+s3, s2+s0, s3+s1] */
