@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import platform
+import re
 import time
+from pathlib import Path
 
 import torch
+
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")  # what the bf16 kernels use
 
 
 def sync(device: str = "cpu") -> None:
@@ -46,8 +51,27 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: st
     return 2 * n**3 / _best_of(lambda: a @ b, repeats, device)
 
 
-def measure(device: str = "cpu") -> dict[str, float]:
+def describe(device: str = "cpu") -> dict[str, str]:
+    """Which machine the figures come from: CPU model and its vector instruction sets (from
+    /proc/cpuinfo), or the GPU's name; torch's version. Ratios move with these: an AVX2-only
+    CPU, say, has no bf16 dot-product instruction and converts bf16 to float32 for every FMA."""
+    info = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "cpu_flags": ""}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        info["cpu"] = re.search(r"^model name\s*:\s*(.*)$", text, re.M).group(1)
+        flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())
+        info["cpu_flags"] = " ".join(f for f in _ISA_FLAGS if f in flags)
+    except (OSError, AttributeError):
+        pass
+    if str(device).startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def measure(device: str = "cpu") -> dict:
+    """The limits (bytes/s, FLOP/s) at torch's current thread count, with ``describe``'s fields."""
     return {
+        **describe(device),
         "device": str(device),
         "num_threads": torch.get_num_threads(),
         "mem_read_bytes_per_s": memory_read_bandwidth(device=device),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 from typing import Any, AsyncIterator
 
@@ -142,7 +143,7 @@ class RequestPath:
                 return await asyncio.shield(call)
             except asyncio.CancelledError:
                 self._background.add(call)
-                call.add_done_callback(self._release_orphan)
+                call.add_done_callback(functools.partial(self._release_orphan, request.request_id))
                 raise
             except REPLICA_GONE as e:
                 await self._before_prefill_retry(request, e, attempts)
@@ -179,9 +180,15 @@ class RequestPath:
                     raise
                 await self._before_prefill_retry(request, e, attempts)
 
-    def _release_orphan(self, call: asyncio.Future) -> None:
+    def _release_orphan(self, request_id: str, call: asyncio.Future) -> None:
+        """The prefill call of a request cancelled meanwhile has ended: free its lease. If Ray
+        Serve cancelled the call too, its reply (and handle) may be lost after the replica
+        leased the KV: release by the request id, the id prefill leases under (a release
+        that comes first is remembered: kv_transfer/lease.py)."""
         self._background.discard(call)
-        if not call.cancelled() and call.exception() is None and call.result().kv is not None:
+        if call.cancelled() or call.exception() is not None:
+            self._release(request_id)
+        elif call.result().kv is not None:
             self._release(call.result().kv.transfer_id)
 
     def _release(self, transfer_id: str) -> None:

@@ -19,13 +19,29 @@ from pdserve.engine import attention, exact_gemv
 
 
 def can_pack(model) -> bool:
+    """Whether ``pack_linears`` applies: a bf16 model on a CPU where oneDNN has a bf16 path.
+    oneDNN's bf16 reorder needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU
+    it raises, and the layers keep transformers' ``F.linear``."""
     device = next(model.parameters()).device
     return (
         device.type == "cpu"
         and model.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and onednn_has_bf16()
     )
+
+
+def onednn_has_bf16() -> bool:
+    """oneDNN's bf16 kernels run on this CPU (torch's own check, else a probe reorder)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None:
+        return bool(check())
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _onednn(self, rows: torch.Tensor) -> torch.Tensor:
