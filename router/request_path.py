@@ -1,6 +1,10 @@
 """One request's path through the pools: prefill -> KV hand-off -> streamed decode, and
 what happens when a replica dies on the way.
 
+A request that ends before decode has acknowledged its KV (a client that left, a stop
+string, a failed decode) has prefill's lease released at once, over the KV channel at the
+replica that holds it; a lease nobody releases expires after ``prefill.kv_lease_s``.
+
 - A prefill replica dies (its call fails with a Ray actor error) or hangs (its engine
   step outlasts ``max_step_s``: WorkerStalledError): the prefill is sent again, to another
   replica.
@@ -33,7 +37,8 @@ from typing import Any, AsyncIterator
 
 from ray.exceptions import RayActorError
 
-from pdserve.errors import FirstTokenMissingError, WorkerStalledError
+from kv_transfer.base import KVHandle, KVReceiver
+from pdserve.errors import FirstTokenMissingError, KVTransferError, WorkerStalledError
 from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk
 from pdserve.sampling import SamplingParams
 from router.retries import Attempts, RetryPolicy
@@ -43,14 +48,17 @@ log = logging.getLogger(__name__)
 # the replica's actor died or cannot be reached (ActorDiedError, ActorUnavailableError),
 # or its engine is stuck in a step (it fails its health check and is being replaced)
 REPLICA_GONE = (RayActorError, WorkerStalledError)
+RELEASE_TIMEOUT_S = 5.0  # a lease release over the KV channel
 
 
 class RequestPath:
     """``prefill``/``decode``: Ray Serve deployment handles (``prefill`` None in colocated
     mode); ``prefill_retries``/``decode_retries``: when each stage is sent again (router/retries.py)."""
 
-    def __init__(self, prefill, decode, prefill_retries: RetryPolicy, decode_retries: RetryPolicy, layerwise: bool = False):
+    def __init__(self, prefill, decode, prefill_retries: RetryPolicy, decode_retries: RetryPolicy, layerwise: bool = False,
+                 kv_releaser: KVReceiver | None = None):
         self.prefill, self.decode = prefill, decode
+        self.kv_releaser = kv_releaser  # releases a lease at the replica that holds it, over the KV channel
         self.prefill_retries, self.decode_retries = prefill_retries, decode_retries
         self.layerwise = layerwise
         self.num_prefill_retries = 0
@@ -94,7 +102,7 @@ class RequestPath:
             if items is None and early_decode is not None:  # left before decode was read: stop it
                 early_decode.cancel()
             if not finished:  # cancelled, failed or stopped by a stop string: prefill frees its copy now
-                self._release(first.kv.transfer_id)
+                self._release(first.kv)
 
     async def _decode(self, request: DecodeRequest, streamed: list[int], call=None) -> AsyncIterator[TokenChunk]:
         """Stream ``request`` from the decode pool; if the replica dies, migrate (see above).
@@ -116,7 +124,7 @@ class RequestPath:
                 if resend and not streamed:
                     raise
                 if request.kv is not None:  # it may have died before fetching: free prefill's copy now
-                    self._release(request.kv.transfer_id)
+                    self._release(request.kv)
                 await attempts.before_retry(e, wait=not resend)  # re-raises when out of attempts
                 if resend:
                     self.num_resent += 1
@@ -175,7 +183,7 @@ class RequestPath:
                 if decode is not None:
                     decode.cancel()
                 if handle is not None:
-                    self._release(handle.transfer_id)
+                    self._release(handle)
                 if not isinstance(e, REPLICA_GONE):
                     raise
                 await self._before_prefill_retry(request, e, attempts)
@@ -189,11 +197,25 @@ class RequestPath:
         if call.cancelled() or call.exception() is not None:
             self._release(request_id)
         elif call.result().kv is not None:
-            self._release(call.result().kv.transfer_id)
+            self._release(call.result().kv)
 
-    def _release(self, transfer_id: str) -> None:
+    def _release(self, kv: KVHandle | str) -> None:
         """Ask prefill to free a lease now; fire and forget (an unanswered lease expires).
 
-        Called outside this request's Ray Serve context: when a request is cancelled, Ray
-        Serve cancels its child calls not yet assigned to a replica, and this one must run."""
-        contextvars.Context().run(self.prefill.release.remote, transfer_id)
+        With the handle, over the KV channel to the replica that holds the lease (a Ray Serve
+        call would go to any replica of the pool); with the id alone (the reply, and with it
+        the handle, was lost), or where there is no KV channel (loopback), through Ray Serve,
+        outside this request's context: when a request is cancelled, Ray Serve cancels its
+        child calls not yet assigned to a replica, and this one must run."""
+        if isinstance(kv, KVHandle) and self.kv_releaser is not None and kv.backend != "loopback":
+            done = asyncio.get_running_loop().run_in_executor(None, self._release_at_holder, kv)
+            self._background.add(done)
+            done.add_done_callback(self._background.discard)
+            return
+        contextvars.Context().run(self.prefill.release.remote, kv if isinstance(kv, str) else kv.transfer_id)
+
+    def _release_at_holder(self, handle: KVHandle) -> None:
+        try:
+            self.kv_releaser.release(handle, RELEASE_TIMEOUT_S)
+        except KVTransferError as e:
+            log.warning("releasing KV %s failed (%s); its lease will expire", handle.transfer_id, e)

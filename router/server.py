@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from transformers import AutoConfig
 
+from kv_transfer.factory import make_receiver
 from router import http
 from router import openai_api as oa
 
@@ -84,7 +85,8 @@ class Router:
         self.path = RequestPath(prefill, decode,
                                 RetryPolicy.for_pool(self.cfg.prefill, r.max_retries, r.retry_backoff_s, exponential=True),
                                 RetryPolicy.for_pool(decode_pool, r.max_retries, r.retry_backoff_s, exponential=False),
-                                self.cfg.kv_transfer.layerwise)
+                                self.cfg.kv_transfer.layerwise,
+                                make_receiver(self.cfg.kv_transfer, secret=self.cfg.security.kv_secret) if prefill is not None else None)
 
     # -- parsing ---------------------------------------------------------------
 

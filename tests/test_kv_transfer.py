@@ -495,3 +495,29 @@ def test_paged_pieces_equal_read_whether_blocks_are_in_runs_or_scattered(dtype):
                 k, v = source.read(layer, start, end)
                 assert b"".join(key) == k.contiguous().view(torch.uint8).numpy().tobytes()
                 assert b"".join(value) == v.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_the_router_releases_a_lease_at_the_replica_that_holds_it():
+    """Of two prefill replicas' KV servers, the router's release (a client left before decode
+    fetched) reaches the one that holds the lease, over the KV channel, not a Ray Serve pick."""
+    import asyncio
+
+    from router.request_path import RequestPath
+    from router.retries import RetryPolicy
+
+    replicas = [KVServer("127.0.0.1", node_id=NODE) for _ in range(2)]
+    handles = [server.put(f"req-{i}", random_kv(SPEC, 3), lease_s=30) for i, server in enumerate(replicas)]
+    receiver = KVClient("grpc")
+    no_retries = RetryPolicy(0, 0.0, False, 0.0)
+    path = RequestPath(None, None, no_retries, no_retries, kv_releaser=receiver)
+
+    async def release_second():
+        path._release(handles[1])
+        await asyncio.wait_for(asyncio.gather(*path._background), 10)
+
+    asyncio.run(release_second())
+    assert [server.stats()["num_held"] for server in replicas] == [1, 0]
+    assert replicas[1].stats()["num_released"] == 1 and replicas[1].pop_finished() == [("req-1", "released")]
+    receiver.close()
+    for server in replicas:
+        server.close()
