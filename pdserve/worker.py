@@ -10,6 +10,7 @@ from kv_transfer.factory import shm_pool_path
 from kv_transfer.fingerprint import KVFingerprint
 from pdserve.config import ClusterConfig, ConfigError, PoolConfig
 from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.fast_linear import onednn_has_bf16
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.kv_layout import KVSpec
 from pdserve.model_loader import load_model, load_tokenizer, resolve_model_dir
@@ -118,4 +119,8 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
             raise ConfigError(str(e)) from None
     where = shm_path or ("exportable GPU memory (cuda_ipc)" if cuda_ipc else f"private {device} memory")
     log.info("%s: %s (%s) on %s, %d torch threads, %s, KV pool in %s", pool_name, model_dir, cfg.model.dtype, device, num_threads, config, where)
+    if device == "cpu" and model.dtype == torch.bfloat16 and not onednn_has_bf16():
+        log.warning("%s: this CPU has no bf16 instructions oneDNN can use (it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT): "
+                    "torch runs bf16 matmuls on a slow fallback here (measured on an AVX2 EPYC: ~1-9 GFLOP/s against "
+                    "~50 in float32); set model.dtype: float32 for speed", pool_name)
     return Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_shm_path=shm_path, kv_cuda_ipc=cuda_ipc), fingerprint
