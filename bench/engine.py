@@ -160,7 +160,8 @@ def main() -> None:
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
 
     hw = hardware.measure(args.device)
-    print(f"machine: {hw['cpu']} [{hw['cpu_flags']}]{' / ' + hw['gpu'] if 'gpu' in hw else ''}, torch {hw['torch']}", flush=True)
+    machine = f"machine: {hw['cpu']} [{hw['cpu_flags']}]{' / ' + hw['gpu'] if 'gpu' in hw else ''}, torch {hw['torch']}"
+    print(machine, flush=True)
     model = load_model(resolve_model_dir(args.model), args.dtype, args.device)
     reference = load_model(resolve_model_dir(args.model), args.dtype, args.device)  # plain HF (sdpa), never repatched
     blocks_per_seq = -(-(args.context + args.repeats + 2) // 16)
@@ -219,7 +220,7 @@ def main() -> None:
     (out / "engine.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "engine.png")
     print_tables(result)
-    print(f"\nmachine: {hw['cpu']} [{hw['cpu_flags']}]{' / ' + hw['gpu'] if 'gpu' in hw else ''}, torch {hw['torch']}")
+    print(f"\n{machine}")
     print(f"hardware: read {hw['mem_read_bytes_per_s'] / 1e9:.1f} GB/s, memcpy {hw['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"matmul fp32 {hw['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {hw['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s ({hw['num_threads']} threads)")
     print("targets:", json.dumps({k: round(v, 3) if v is not None else None for k, v in targets.items()}))
