@@ -24,7 +24,9 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "smollm2"
-    dtype: str = "bfloat16"
+    # "auto" = bfloat16 on a GPU or a CPU whose oneDNN has bf16 kernels, else float32,
+    # settled once where the app is built (pdserve.model_loader.resolve_dtype)
+    dtype: str = "auto"
     max_model_len: int | None = None  # tokens; None = the model's context
     # where each worker runs its model and KV pool: "auto" = the GPU Ray gave the replica
     # (ray_actor_options.num_gpus >= 1), else the CPU; "cpu"; "cuda"
@@ -203,8 +205,8 @@ class ClusterConfig:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be disaggregated or colocated, not {self.mode!r}")
-        if self.model.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
+        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16, not {self.model.dtype!r}")
         if self.model.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"model.device must be auto, cpu or cuda, not {self.model.device!r}")
         if self.kv_transfer.backend not in KV_BACKENDS:

@@ -35,13 +35,24 @@ def _pool_options(name: str, pool: PoolConfig) -> dict:
     }
 
 
+def app_config(cfg: ClusterConfig) -> dict:
+    """The cluster.yaml mapping every deployment of the app is built with: ``cfg`` with what
+    must be settled once, where pdserve is deployed from: secrets given as "env:NAME", and
+    ``model.dtype: auto`` (both pools must load the same dtype; ``resolve_dtype``)."""
+    from pdserve.model_loader import resolve_dtype
+
+    config = cfg.to_dict()
+    config["security"] = dataclasses.asdict(cfg.security.resolved())
+    config["model"]["dtype"] = resolve_dtype(cfg)
+    return config
+
+
 def build_app(cfg: ClusterConfig) -> serve.Application:
     from decode_worker import DecodeServer
     from prefill_worker import PrefillServer
     from router import Router
 
-    config = cfg.to_dict()
-    config["security"] = dataclasses.asdict(cfg.security.resolved())  # "env:NAME" read here, where pdserve is deployed from
+    config = app_config(cfg)
     if cfg.mode == "colocated":
         prefill = None
         decode = serve.deployment(DecodeServer).options(**_pool_options("colocated", cfg.colocated)).bind(config, "colocated")

@@ -13,7 +13,7 @@ from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.fast_linear import onednn_has_bf16
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.kv_layout import KVSpec
-from pdserve.model_loader import load_model, load_tokenizer, resolve_model_dir
+from pdserve.model_loader import load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,8 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
     torch.set_num_threads(num_threads)
     device = worker_device(cfg)
     model_dir = resolve_model_dir(cfg.model.path)
-    model = load_model(model_dir, cfg.model.dtype, device)
+    dtype = resolve_dtype(cfg)  # as build_app did: "auto" never reaches a worker deployed through it
+    model = load_model(model_dir, dtype, device)
     tokenizer = load_tokenizer(model_dir)
     max_len = max_model_len(cfg, model.config)
     spec = KVSpec.from_model_config(model.config, model.dtype)
@@ -118,7 +119,7 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
         except ValueError as e:
             raise ConfigError(str(e)) from None
     where = shm_path or ("exportable GPU memory (cuda_ipc)" if cuda_ipc else f"private {device} memory")
-    log.info("%s: %s (%s) on %s, %d torch threads, %s, KV pool in %s", pool_name, model_dir, cfg.model.dtype, device, num_threads, config, where)
+    log.info("%s: %s (%s) on %s, %d torch threads, %s, KV pool in %s", pool_name, model_dir, dtype, device, num_threads, config, where)
     if device == "cpu" and model.dtype == torch.bfloat16 and not onednn_has_bf16():
         log.warning("%s: this CPU has no bf16 instructions oneDNN can use (it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT): "
                     "torch runs bf16 matmuls on a slow fallback here (measured on an AVX2 EPYC: ~1-9 GFLOP/s against "

@@ -59,3 +59,28 @@ def test_secrets_come_from_the_environment_when_asked(monkeypatch):
 def test_bad_security_and_admission_settings_name_the_key(raw, message):
     with pytest.raises(ConfigError, match=message):
         ClusterConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("raw, cpu_has_bf16, want", [
+    ({}, True, "bfloat16"),  # the default, auto, on an AVX512/AMX CPU
+    ({}, False, "float32"),  # ... and on an AVX2-only one, where torch's bf16 matmul is a slow fallback
+    ({"model": {"dtype": "bfloat16"}}, False, "bfloat16"),  # an explicit dtype is kept
+    ({"model": {"dtype": "float32"}}, True, "float32"),
+    ({"prefill": {"ray_actor_options": {"num_gpus": 1}}}, False, "bfloat16"),  # GPU pools: bf16
+    ({"model": {"device": "cuda"}}, False, "bfloat16"),
+    ({"model": {"device": "cpu"}, "prefill": {"ray_actor_options": {"num_gpus": 1}}}, False, "float32"),
+])
+def test_auto_dtype_is_settled_once_by_where_the_pools_run(monkeypatch, raw, cpu_has_bf16, want):
+    from pdserve.engine import fast_linear
+    from pdserve.model_loader import resolve_dtype
+
+    monkeypatch.setattr(fast_linear, "onednn_has_bf16", lambda: cpu_has_bf16)  # the other CPU kind than this one
+    assert resolve_dtype(ClusterConfig.from_dict(raw)) == want
+
+
+def test_the_app_is_built_with_the_settled_dtype():
+    from pdserve.deploy import app_config
+    from pdserve.engine.fast_linear import onednn_has_bf16
+
+    assert app_config(ClusterConfig())["model"]["dtype"] == ("bfloat16" if onednn_has_bf16() else "float32")
+    assert app_config(ClusterConfig.from_dict({"model": {"dtype": "float16"}}))["model"]["dtype"] == "float16"

@@ -68,13 +68,14 @@ def test_with_the_key_the_answer_comes_through_the_secret_kv_channel(cluster, re
     import torch
 
     from conftest import reference_generate
-    from pdserve.model_loader import load_model
+    from pdserve.config import ClusterConfig
+    from pdserve.model_loader import load_model, resolve_dtype
 
     before = pool_stats("decode")
     with client() as c:
         got = c.generate(prompt_token_ids=PROMPT, max_tokens=6, ignore_eos=True).token_ids
     torch.set_num_threads(1)
-    want = reference_generate(load_model(real_model_dir, "bfloat16"), PROMPT, 6, ignore_eos=True)
+    want = reference_generate(load_model(real_model_dir, resolve_dtype(ClusterConfig())), PROMPT, 6, ignore_eos=True)
     assert got == want
     after = pool_stats("decode")
     assert after["num_kv_fetched"] == before["num_kv_fetched"] + 1 and after["num_kv_faults"] == before["num_kv_faults"]
