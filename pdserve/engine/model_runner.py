@@ -18,16 +18,14 @@ from pdserve.engine.sequence import Sequence
 
 class PagedModelRunner:
     def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool | None = None, graphs: DecodeGraphs | None = None):
-        """``decode_kernel``: None = where it rounds as the reference (bf16); ``graphs``: run the
+        """``decode_kernel``: None = on where it runs (CPU, bf16 or float32); ``graphs``: run the
         decode steps they can take from CUDA graphs (cuda_graphs.py)."""
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
         # decode attention in place over the blocks (C kernel) where it runs; else gather + SDPA
-        if decode_kernel is None:
-            decode_kernel = kv_cache.spec.dtype == torch.bfloat16
-        self.decode_kernel = decode_kernel and paged_decode.supports(kv_cache.spec.dtype, self.device)
+        self.decode_kernel = decode_kernel is not False and paged_decode.supports(kv_cache.spec.dtype, self.device)
         self.graphs = graphs
 
     def _context(self, batch: list[tuple[Sequence, int]]) -> tuple[AttentionContext, list[int], list[int]]:

@@ -131,23 +131,57 @@ static inline __m512 fexp_u20(__m512 x) {
     return _mm512_castsi512_ps(bits);
 }
 
-/* The two loops of one split for head_dim = 16 * HDV and GROUP query heads per K/V head, with
- * every K/V row loaded and converted once and the GROUP accumulators held in registers. */
+#endif
+
+/* float32 fast loops on 16-lane (AVX-512) or 8-lane (AVX2 + FMA) vectors. bf16 never takes
+ * them: its loops (scores_bf16, pv_bf16) follow torch's summation order instead. */
+#if defined(__AVX512F__)
+#define FAST_SIMD 1
+#define VL 16
+typedef __m512 vf;
+#define vload(p) _mm512_loadu_ps(p)
+#define vstore(p, x) _mm512_storeu_ps(p, x)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vset1(x) _mm512_set1_ps(x)
+#define vsum(x) _mm512_reduce_add_ps(x)
+#define FAST_CASES(X) X(64, 1) X(64, 2) X(64, 3) X(64, 4) X(128, 1) X(128, 2) /* GROUP * HDV <= 16 of 32 registers */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FAST_SIMD 1
+#define VL 8
+typedef __m256 vf;
+#define vload(p) _mm256_loadu_ps(p)
+#define vstore(p, x) _mm256_storeu_ps(p, x)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vset1(x) _mm256_set1_ps(x)
+static inline float vsum(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define FAST_CASES(X) X(64, 1) X(64, 2) X(64, 3) X(64, 4) X(128, 1) X(128, 2) /* accumulators beyond 16 registers spill to L1 */
+#endif
+
+#ifdef FAST_SIMD
+/* The two float32 loops of one split for head_dim = VL * HDV and GROUP query heads per K/V
+ * head, with every K/V row loaded once and the GROUP accumulators held in registers. */
 static inline __attribute__((always_inline)) void scores_fast(
-    const float *qf, const void *k, const int64_t *rows, int64_t n, float scale, float *scores, int64_t split,
-    float *split_max, int bf16, const int HDV, const int GROUP) {
+    const float *qf, const float *k, const int64_t *rows, int64_t n, float scale, float *scores, int64_t split,
+    float *split_max, const int HDV, const int GROUP) {
     for (int64_t t = 0; t < n; t++) {
-        __m512 kr[8];
+        vf kr[16];
         if (t + 16 < n) /* blocks are scattered: fetch a block ahead, the prefetcher cannot guess it */
-            for (int i = 0; i < HDV; i += 4) _mm_prefetch((const char *)k + (rows[t + 16] + 16 * i) * (bf16 ? 2 : 4), _MM_HINT_T0);
-#pragma GCC unroll 8
-        for (int i = 0; i < HDV; i++) kr[i] = load16(k, rows[t] + 16 * i, bf16);
+            for (int i = 0; i < HDV * VL; i += 16) _mm_prefetch((const char *)(k + rows[t + 16] + i), _MM_HINT_T0);
+#pragma GCC unroll 16
+        for (int i = 0; i < HDV; i++) kr[i] = vload(k + rows[t] + VL * i);
 #pragma GCC unroll 8
         for (int g = 0; g < GROUP; g++) {
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * 16 * HDV), kr[0]);
-#pragma GCC unroll 8
-            for (int i = 1; i < HDV; i++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * 16 * HDV + 16 * i), kr[i], acc);
-            const float s = _mm512_reduce_add_ps(acc) * scale;
+            vf acc = vmul(vload(qf + g * VL * HDV), kr[0]);
+#pragma GCC unroll 16
+            for (int i = 1; i < HDV; i++) acc = vfma(vload(qf + g * VL * HDV + VL * i), kr[i], acc);
+            const float s = vsum(acc) * scale;
             scores[g * split + t] = s;
             if (s > split_max[g]) split_max[g] = s;
         }
@@ -155,46 +189,45 @@ static inline __attribute__((always_inline)) void scores_fast(
 }
 
 static inline __attribute__((always_inline)) void pv_fast(
-    const float *scores, int64_t split, const void *v, const int64_t *rows, int64_t n, float *acc_mem, int bf16,
+    const float *scores, int64_t split, const float *v, const int64_t *rows, int64_t n, float *acc_mem,
     const int HDV, const int GROUP) {
-    __m512 acc[8][8];
+    vf acc[8][16];
 #pragma GCC unroll 8
     for (int g = 0; g < GROUP; g++)
-#pragma GCC unroll 8
-        for (int i = 0; i < HDV; i++) acc[g][i] = _mm512_loadu_ps(acc_mem + (g * HDV + i) * 16);
+#pragma GCC unroll 16
+        for (int i = 0; i < HDV; i++) acc[g][i] = vload(acc_mem + (g * HDV + i) * VL);
     for (int64_t t = 0; t < n; t++) {
-        __m512 vr[8];
+        vf vr[16];
         if (t + 16 < n)
-            for (int i = 0; i < HDV; i += 4) _mm_prefetch((const char *)v + (rows[t + 16] + 16 * i) * (bf16 ? 2 : 4), _MM_HINT_T0);
-#pragma GCC unroll 8
-        for (int i = 0; i < HDV; i++) vr[i] = load16(v, rows[t] + 16 * i, bf16);
+            for (int i = 0; i < HDV * VL; i += 16) _mm_prefetch((const char *)(v + rows[t + 16] + i), _MM_HINT_T0);
+#pragma GCC unroll 16
+        for (int i = 0; i < HDV; i++) vr[i] = vload(v + rows[t] + VL * i);
 #pragma GCC unroll 8
         for (int g = 0; g < GROUP; g++) {
-            const __m512 p = _mm512_set1_ps(scores[g * split + t]);
-#pragma GCC unroll 8
-            for (int i = 0; i < HDV; i++) acc[g][i] = _mm512_fmadd_ps(p, vr[i], acc[g][i]);
+            const vf p = vset1(scores[g * split + t]);
+#pragma GCC unroll 16
+            for (int i = 0; i < HDV; i++) acc[g][i] = vfma(p, vr[i], acc[g][i]);
         }
     }
 #pragma GCC unroll 8
     for (int g = 0; g < GROUP; g++)
-#pragma GCC unroll 8
-        for (int i = 0; i < HDV; i++) _mm512_storeu_ps(acc_mem + (g * HDV + i) * 16, acc[g][i]);
+#pragma GCC unroll 16
+        for (int i = 0; i < HDV; i++) vstore(acc_mem + (g * HDV + i) * VL, acc[g][i]);
 }
 
-/* Dispatch to a register-resident instance; returns 0 where none fits (GROUP * HDV > 16). */
-#define FAST_CASES(X) X(4, 1) X(4, 2) X(4, 3) X(4, 4) X(8, 1) X(8, 2)
+/* Dispatch to a register-resident instance for (head_dim, group); returns 0 where none fits. */
 static inline __attribute__((always_inline)) int scores_dispatch(
-    const float *qf, const void *k, const int64_t *rows, int64_t n, float scale, float *scores, int64_t split,
-    float *split_max, int bf16, int64_t head_dim, int64_t group) {
-#define X(H, G) if (head_dim == 16 * H && group == G) { scores_fast(qf, k, rows, n, scale, scores, split, split_max, bf16, H, G); return 1; }
+    const float *qf, const float *k, const int64_t *rows, int64_t n, float scale, float *scores, int64_t split,
+    float *split_max, int64_t head_dim, int64_t group) {
+#define X(D, G) if (head_dim == D && group == G) { scores_fast(qf, k, rows, n, scale, scores, split, split_max, D / VL, G); return 1; }
     FAST_CASES(X)
 #undef X
     return 0;
 }
 static inline __attribute__((always_inline)) int pv_dispatch(
-    const float *scores, int64_t split, const void *v, const int64_t *rows, int64_t n, float *acc, int bf16,
-    int64_t head_dim, int64_t group) {
-#define X(H, G) if (head_dim == 16 * H && group == G) { pv_fast(scores, split, v, rows, n, acc, bf16, H, G); return 1; }
+    const float *scores, int64_t split, const float *v, const int64_t *rows, int64_t n, float *acc, int64_t head_dim,
+    int64_t group) {
+#define X(D, G) if (head_dim == D && group == G) { pv_fast(scores, split, v, rows, n, acc, D / VL, G); return 1; }
     FAST_CASES(X)
 #undef X
     return 0;
@@ -414,7 +447,7 @@ static inline __attribute__((always_inline)) void attend(
                 }
                 if (bf16)
                     scores_bf16(qf, (const uint16_t *)k, rows, n, scale, scores, split, split_max, head_dim, group);
-                else if (!scores_dispatch(qf, k, rows, n, scale, scores, split, split_max, bf16, head_dim, group))
+                else if (!scores_dispatch(qf, (const float *)k, rows, n, scale, scores, split, split_max, head_dim, group))
                 for (int64_t t = 0; t < n; t++) { /* scores of every head in the group against one K row */
                     const int64_t row = rows[t];
                     for (int64_t g = 0; g < group; g++) {
@@ -435,7 +468,7 @@ static inline __attribute__((always_inline)) void attend(
                 }
                 if (bf16)
                     pv_bf16(scores, split, (const uint16_t *)v, rows, n, acc, head_dim, group);
-                else if (!pv_dispatch(scores, split, v, rows, n, acc, bf16, head_dim, group))
+                else if (!pv_dispatch(scores, split, (const float *)v, rows, n, acc, head_dim, group))
                 for (int64_t t = 0; t < n; t++) { /* acc += P @ V, every head in the group per V row */
                     const int64_t row = rows[t];
                     for (int64_t g = 0; g < group; g++) {
