@@ -43,7 +43,7 @@ class EngineConfig:
     # does (kernels/paged_attention.c; ~1 in 130,000 outputs one bf16 step off), and with the
     # decode rows' exact GEMV (exact_gemv.py, part of ``optimize``) a batched bf16 step gives
     # each sequence the reference's tokens. In float32 it sums in its own order (within float32
-    # rounding of torch's; 2.8x faster than gather + masked SDPA at batch 32 on an AVX2 core).
+    # rounding of torch's; 2-3x faster than gather + masked SDPA at batch 32 on an AVX2 core).
     # None = on where it runs (a CPU with a C compiler); False = gather + torch SDPA, the
     # reference's own call for one sequence.
     decode_kernel: bool | None = None
