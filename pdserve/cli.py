@@ -94,7 +94,11 @@ def _up(config: Path | None, address: str | None, model: str | None = None, rede
         model_dir = resolve_model_dir(cfg.model.path)
     except ModelNotFoundError as e:
         raise _fail(str(e))
-    typer.echo(f"Model ready at {model_dir}", err=True)
+    from pdserve.model_loader import resolve_dtype
+
+    dtype = resolve_dtype(cfg)
+    how = " (model.dtype: auto, settled for this machine)" if cfg.model.dtype == "auto" else ""
+    typer.echo(f"Model ready at {model_dir}; the pools load it in {dtype}{how}", err=True)
     started_ray = _connect_ray(address or cfg.ray.address, cfg.ray.metrics_export_port) or _read_state().get("started_ray", False)
     typer.echo("Deploying router, prefill and decode pools (each replica loads the model) ...", err=True)
     start = time.perf_counter()

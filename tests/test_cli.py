@@ -27,6 +27,7 @@ def test_up_generate_down(tmp_path):
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         assert f"gRPC endpoint: 127.0.0.1:{GRPC_PORT}" in up.stdout
+        assert "the pools load it in float32\n" in up.stderr  # the dtype is said (settled here when auto)
 
         gen = pdserve("generate", "What is the capital of France?", "--max-tokens", "32")
         assert gen.returncode == 0, gen.stderr[-3000:]
