@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = "smollm2"
     # "auto" = bfloat16 on a GPU or a CPU whose oneDNN has bf16 kernels, else float32,
-    # settled once where the app is built (pdserve.model_loader.resolve_dtype)
+    # settled once where the app is built (pdserve.deploy.app_config, resolve_dtype)
     dtype: str = "auto"
     max_model_len: int | None = None  # tokens; None = the model's context
     # where each worker runs its model and KV pool: "auto" = the GPU Ray gave the replica

@@ -126,7 +126,7 @@ def resolve_dtype(cfg) -> str:
     AVX-NE-CONVERT), else "float32". On a CPU without them torch's bf16 matmul is a slow
     fallback (measured on an AVX2 EPYC: ~1-9 GFLOP/s against ~55 in float32; README, Engine).
 
-    Called once where the app is built (``pdserve.deploy.build_app``), so every replica
+    Settled once where the app is built (``pdserve.deploy.app_config``), so every replica
     loads the same dtype: the KV fingerprint includes it, and a prefill and a decode pool
     that disagreed would refuse each other's KV. On a cluster whose nodes differ from the
     one that builds the app, set the dtype explicitly.

@@ -97,7 +97,7 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
     torch.set_num_threads(num_threads)
     device = worker_device(cfg)
     model_dir = resolve_model_dir(cfg.model.path)
-    dtype = resolve_dtype(cfg)  # as build_app did: "auto" never reaches a worker deployed through it
+    dtype = resolve_dtype(cfg)  # as app_config did: "auto" never reaches a worker deployed through it
     model = load_model(model_dir, dtype, device)
     tokenizer = load_tokenizer(model_dir)
     max_len = max_model_len(cfg, model.config)
