@@ -226,11 +226,12 @@ def test_the_fault_injection_file_hangs_exactly_one_loop(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 24)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 2, 128), (6, 3, 24)])
 def test_paged_decode_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim):
     """The C kernel over scattered blocks equals torch SDPA on the gathered context: ragged
     lengths (1 token, partial blocks, several 512-token splits), GQA, the AVX-512 or AVX2 fast cases
-    and the generic loop (head_dim 24), a strided query."""
+    (bf16's too: 9/3 x 64, 4/4 x 32, 4/2 x 128) and the generic loops (8/2 x 128, head_dim 24), a
+    strided query."""
     from pdserve.engine import paged_decode
 
     if not paged_decode.supports(dtype, torch.device("cpu")):

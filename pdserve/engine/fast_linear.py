@@ -53,7 +53,8 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # [M, in_features]
     ctx = attention.current_context()
     if (ctx is not None and ctx.gemv_rows is not None and getattr(self, "_gemv_pairs", None) is not None
-            and rows.shape[0] == ctx.num_tokens and (self._gemv_required or len(ctx.gemv_rows) <= exact_gemv.FEW_ROWS)):
+            and rows.shape[0] == ctx.num_tokens and (self._gemv_required or len(ctx.gemv_rows) <= exact_gemv.FEW_ROWS
+                                                     or torch.get_num_threads() == 1)):
         out = _split_rows(self, rows, ctx.gemv_rows)
     else:
         out = _onednn(self, rows)

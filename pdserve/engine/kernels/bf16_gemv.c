@@ -20,7 +20,6 @@
 #include <string.h>
 
 #define K_BLOCK 512 /* oneDNN's K block for this GEMV */
-#define ROWS 4      /* rows per pass over a weight tile */
 #define TILE 4      /* 16-output registers per tile: 64 outputs */
 
 int bf16_gemv_available(void) {
@@ -60,37 +59,68 @@ static inline __m512bh pair_of(const uint16_t *x, int64_t i) {
     return (__m512bh)_mm512_set1_epi32((int)p);
 }
 
+/* Pairs i0 .. i1 of one K block for rows m0 .. m0 + R against one tile of 16 * T outputs, the
+ * R x T accumulators in registers (R * T <= 24 of 32). A K block is taken in pieces of
+ * SUB_PAIRS, each piece for all rows in turn, so the piece of the tile (16 KB) stays in L1:
+ * between pieces the accumulators wait in `part` (float32, so the chain of adds is unchanged);
+ * at the end of the K block they are added in block order into the totals `total`, exactly as
+ * oneDNN adds its block sums. part and total: [R, 64] float32, row stride 64. */
+static inline __attribute__((always_inline)) void piece_rows(
+    const uint16_t *x, int64_t x_stride, const uint32_t *tile, int64_t width, int64_t i0, int64_t i1, float *part,
+    float *total, int block_start, int block_end, int first_block, const int R, const int T) {
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[r][t] = block_start ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * 16 * TILE + 16 * t);
+    for (int64_t i = i0; i < i1; i++) {
+        __m512bh w[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) w[t] = (__m512bh)_mm512_loadu_si512(tile + i * width + 16 * t);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const __m512bh xb = pair_of(x + r * x_stride, i);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xb, w[t]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const int64_t j = r * 16 * TILE + 16 * t;
+            if (!block_end) _mm512_storeu_ps(part + j, acc[r][t]);
+            else _mm512_storeu_ps(total + j, first_block ? acc[r][t] : _mm512_add_ps(_mm512_loadu_ps(total + j), acc[r][t]));
+        }
+}
+
+#define ROWS 6        /* rows per pass over a piece of a weight tile: 6 x 4 accumulators */
+#define SUB_PAIRS 64  /* pairs per piece: 64 x 64 outputs x 4 bytes = 16 KB of weights */
+#define CASE_T(R, T) case T: piece_rows(xr, x_stride, tile, width, i0, i1, part, tot, i0 == b0, i1 == b1, b0 == 0, R, T); break;
+#define CASE_R(R) case R: switch (tiles) { CASE_T(R, 1) CASE_T(R, 2) CASE_T(R, 3) CASE_T(R, 4) } break;
+
 void bf16_gemv_rows(const uint16_t *x, int64_t x_stride, int64_t m_rows, int64_t k, const uint32_t *wp, int64_t n_out,
-                    uint16_t *out, float *scratch /* [ROWS * TILE * 16] */) {
+                    uint16_t *out, float *scratch /* [2, M, 64] float32: totals, then running sums */) {
     const int64_t pairs = k / 2, block_pairs = K_BLOCK / 2;
+    const int64_t groups = (m_rows + ROWS - 1) / ROWS; /* rows split evenly: 32 = 6 + 6 + 5 + 5 + 5 + 5 */
+#define rows_in(g) (m_rows / groups + ((g) < m_rows % groups))
     for (int64_t n0 = 0; n0 < n_out; n0 += 16 * TILE) {
         const int64_t tiles = (n_out - n0) / 16 < TILE ? (n_out - n0) / 16 : TILE, width = 16 * tiles;
         const uint32_t *tile = wp + n0 * (k / 2);
-        for (int64_t m0 = 0; m0 < m_rows; m0 += ROWS) {
-            const int64_t rows = m_rows - m0 < ROWS ? m_rows - m0 : ROWS;
-            __m512 total[ROWS][TILE];
-            for (int64_t b0 = 0; b0 < pairs; b0 += block_pairs) {
-                const int64_t b1 = b0 + block_pairs < pairs ? b0 + block_pairs : pairs;
-                __m512 acc[ROWS][TILE];
-                for (int r = 0; r < ROWS; r++)
-                    for (int t = 0; t < TILE; t++) acc[r][t] = _mm512_setzero_ps();
-                for (int64_t i = b0; i < b1; i++) {
-                    __m512bh w[TILE];
-                    for (int t = 0; t < tiles; t++) w[t] = (__m512bh)_mm512_loadu_si512(tile + i * width + 16 * t);
-                    for (int r = 0; r < rows; r++) {
-                        const __m512bh xb = pair_of(x + (m0 + r) * x_stride, i);
-                        for (int t = 0; t < tiles; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xb, w[t]);
-                    }
+        for (int64_t b0 = 0; b0 < pairs; b0 += block_pairs) {
+            const int64_t b1 = b0 + block_pairs < pairs ? b0 + block_pairs : pairs;
+            for (int64_t i0 = b0; i0 < b1; i0 += SUB_PAIRS) {
+                const int64_t i1 = i0 + SUB_PAIRS < b1 ? i0 + SUB_PAIRS : b1;
+                for (int64_t g = 0, m0 = 0; g < groups; m0 += rows_in(g), g++) {
+                    const uint16_t *xr = x + m0 * x_stride;
+                    float *tot = scratch + m0 * 16 * TILE, *part = scratch + (m_rows + m0) * 16 * TILE;
+                    switch (rows_in(g)) { CASE_R(1) CASE_R(2) CASE_R(3) CASE_R(4) CASE_R(5) CASE_R(6) }
                 }
-                for (int r = 0; r < rows; r++)
-                    for (int t = 0; t < tiles; t++) total[r][t] = b0 == 0 ? acc[r][t] : _mm512_add_ps(total[r][t], acc[r][t]);
             }
-            for (int r = 0; r < rows; r++)
-                for (int t = 0; t < tiles; t++) {
-                    _mm512_storeu_ps(scratch, total[r][t]);
-                    uint16_t *o = out + (m0 + r) * n_out + n0 + 16 * t;
-                    for (int j = 0; j < 16; j++) o[j] = f32_to_bf16(scratch[j]);
-                }
+        }
+        for (int64_t m = 0; m < m_rows; m++) {
+            uint16_t *o = out + m * n_out + n0;
+            for (int64_t j = 0; j < width; j++) o[j] = f32_to_bf16(scratch[m * 16 * TILE + j]);
         }
     }
 }

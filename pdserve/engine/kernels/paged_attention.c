@@ -21,6 +21,12 @@
  * result for a head can change with the call's layout (2 of 15 such cases did). float32 keeps
  * its own order (results within float32 rounding of torch's).
  *
+ * Speed: both dtypes have loops specialised for common (head_dim, group) pairs with their
+ * accumulators in registers (FAST_CASES, BF16_CASES), and K/V rows, scattered over blocks, are
+ * prefetched ahead. bf16 at batch 32, context 512, SmolLM2's 9/3 heads x 64 on one Zen 4 core:
+ * 1.0 ms per layer with the KV in L3, 1.8 ms from DRAM (~7 GB/s of KV); its bound is the
+ * float32 arithmetic of torch's order, not the memory.
+ *
  * Built with cc -O3 -march=native by kernels/__init__.py; one thread per call.
  */
 #include <math.h>
@@ -237,6 +243,13 @@ static inline __attribute__((always_inline)) int pv_dispatch(
 #define pv_dispatch(...) 0
 #endif
 
+/* K/V rows sit in scattered blocks, which the hardware prefetcher cannot guess: the bf16 loops
+ * fetch the rows PREFETCH_ROWS ahead (64 cache lines in flight for head_dim 64). */
+#define PREFETCH_ROWS 32
+static inline __attribute__((always_inline)) void prefetch_row(const uint16_t *row, int64_t head_dim) {
+    for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(row + i, 0, 3);
+}
+
 /* fexp_u20 (below) in scalar C, for builds without AVX-512: the same operations in the same order. */
 static inline float fexp_scalar(float x) {
     if (x < -87.33654475f) return 0.f;
@@ -266,6 +279,8 @@ static void scores_bf16(const float *qf, const uint16_t *k, const int64_t *rows,
     if (head_dim % 16 == 0 && group <= 8)
         for (; t + 4 <= n; t += 4) {
             const uint16_t *r0 = k + rows[t], *r1 = k + rows[t + 1], *r2 = k + rows[t + 2], *r3 = k + rows[t + 3];
+            if (t + PREFETCH_ROWS + 4 <= n)
+                for (int j = 0; j < 4; j++) prefetch_row(k + rows[t + PREFETCH_ROWS + j], head_dim);
             __m512 acc[8];
             for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
             for (int64_t c = 0; c < head_dim; c += 16) {
@@ -333,6 +348,8 @@ static void pv_bf16(const float *scores, int64_t split, const uint16_t *v, const
                     int64_t head_dim, int64_t group) {
     for (int64_t t = 0; t < n; t += 4) {
         const uint16_t *vr[4];
+        if (t + PREFETCH_ROWS + 4 <= n)
+            for (int j = 0; j < 4; j++) prefetch_row(v + rows[t + PREFETCH_ROWS + j], head_dim);
         float p[64][4];
         for (int j = 0; j < 4; j++) vr[j] = t + j < n ? v + rows[t + j] : NULL;
         for (int64_t g = 0; g < group; g++)
@@ -362,6 +379,133 @@ static void pv_bf16(const float *scores, int64_t split, const uint16_t *v, const
         }
     }
 }
+
+#ifdef __AVX512F__
+/* The bf16 loops above for head_dim = 16 * CHUNKS and GROUP query heads per K/V head known at
+ * compile time, so the accumulators live in registers (the generic loops keep them on the
+ * stack, one store-to-load round trip per FMA). Same operations, same order, same bits.
+ *
+ * Scores, 16 K rows at a time: register m holds rows t + m, t + m + 4, t + m + 8, t + m + 12
+ * (one per 128-bit quarter, its four chains over d mod 4), so that one shuffle network turns
+ * the four registers into the 16 rows' (s0 + s2) + (s1 + s3) in row order. Returns the rows
+ * done (a multiple of 16); scores_bf16 takes the rest. */
+static inline __attribute__((always_inline)) int64_t scores_bf16_fixed(
+    const float *qf, const uint16_t *k, const uint16_t *v, const int64_t *rows, int64_t n, float scale, float *scores, int64_t split,
+    float *split_max, const int CHUNKS, const int GROUP) {
+    const int64_t head_dim = 16 * CHUNKS;
+    __m512 vmax[4];
+    for (int g = 0; g < GROUP; g++) vmax[g] = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        if (t + PREFETCH_ROWS + 16 <= n)
+            for (int j = 0; j < 16; j++) prefetch_row(k + rows[t + PREFETCH_ROWS + j], head_dim);
+        for (int j = 0; j < 16; j++) /* for pv_bf16_fixed, next: into L2, as a split's V rows (64 KB) outgrow L1 */
+            for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(v + rows[t + j] + i, 0, 2);
+        __m512 acc[4][4];
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; m++)
+#pragma GCC unroll 4
+            for (int g = 0; g < GROUP; g++) acc[m][g] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int c = 0; c < CHUNKS; c++)
+#pragma GCC unroll 4
+            for (int m = 0; m < 4; m++) {
+                const uint16_t *r0 = k + rows[t + m], *r1 = k + rows[t + m + 4], *r2 = k + rows[t + m + 8], *r3 = k + rows[t + m + 12];
+                const __m256i a0 = _mm256_loadu_si256((const __m256i *)(r0 + 16 * c)), a1 = _mm256_loadu_si256((const __m256i *)(r1 + 16 * c));
+                const __m256i a2 = _mm256_loadu_si256((const __m256i *)(r2 + 16 * c)), a3 = _mm256_loadu_si256((const __m256i *)(r3 + 16 * c));
+                const __m256i t0 = _mm256_unpacklo_epi64(a0, a1), t1 = _mm256_unpackhi_epi64(a0, a1);
+                const __m256i t2 = _mm256_unpacklo_epi64(a2, a3), t3 = _mm256_unpackhi_epi64(a2, a3);
+                const __m256i z[4] = {_mm256_permute2x128_si256(t0, t2, 0x20), _mm256_permute2x128_si256(t1, t3, 0x20),
+                                      _mm256_permute2x128_si256(t0, t2, 0x31), _mm256_permute2x128_si256(t1, t3, 0x31)};
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const __m512 k16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(z[i]), 16));
+#pragma GCC unroll 4
+                    for (int g = 0; g < GROUP; g++)
+                        acc[m][g] = _mm512_fmadd_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(qf + g * head_dim + 16 * c + 4 * i)), k16, acc[m][g]);
+                }
+            }
+#pragma GCC unroll 4
+        for (int g = 0; g < GROUP; g++) {
+            __m512 x[4]; /* per quarter [s0 + s2, s1 + s3, s2 + s0, s3 + s1] */
+#pragma GCC unroll 4
+            for (int m = 0; m < 4; m++) x[m] = _mm512_add_ps(acc[m][g], _mm512_shuffle_ps(acc[m][g], acc[m][g], 0x4E));
+            const __m512 p01 = _mm512_shuffle_ps(x[0], x[1], 0x44), p23 = _mm512_shuffle_ps(x[2], x[3], 0x44);
+            const __m512 e = _mm512_shuffle_ps(p01, p23, 0x88), o = _mm512_shuffle_ps(p01, p23, 0xDD);
+            const __m512 sc = _mm512_mul_ps(_mm512_add_ps(e, o), _mm512_set1_ps(scale)); /* lane j = row t + j */
+            _mm512_storeu_ps(scores + g * split + t, sc);
+            vmax[g] = _mm512_max_ps(vmax[g], sc);
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        const float m = _mm512_reduce_max_ps(vmax[g]);
+        if (m > split_max[g]) split_max[g] = m;
+    }
+    return t;
+}
+
+/* acc += P @ V in pv_bf16's order, the GROUP x CHUNKS accumulators in registers; all n rows. */
+static inline __attribute__((always_inline)) void pv_bf16_fixed(
+    const float *scores, int64_t split, const uint16_t *v, const uint16_t *k_next, const int64_t *rows, int64_t n, float *acc_mem,
+    const int CHUNKS, const int GROUP) {
+    const int64_t head_dim = 16 * CHUNKS;
+    __m512 acc[4][8];
+#pragma GCC unroll 4
+    for (int g = 0; g < GROUP; g++)
+#pragma GCC unroll 8
+        for (int c = 0; c < CHUNKS; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * head_dim + 16 * c);
+    for (int64_t t = 0; t < n; t += 4) {
+        const uint16_t *vr[4];
+        if (k_next) /* the next K/V head's keys, same slots: scores of the next round find them cached */
+            for (int j = 0; j < 4 && t + j < n; j++)
+                for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(k_next + rows[t + j] + i, 0, 2); /* into L2 */
+        float p[4][4];
+        for (int j = 0; j < 4; j++) vr[j] = v + rows[t + j < n ? t + j : t]; /* a padded row's p is 0 */
+        for (int g = 0; g < GROUP; g++)
+            for (int j = 0; j < 4; j++) p[g][j] = t + j < n ? scores[g * split + t + j] : 0.f;
+#pragma GCC unroll 8
+        for (int c = 0; c < CHUNKS; c++) {
+            __m512 vv[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+                vv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[j] + 16 * c))), 16));
+            if (t + 4 > n) /* padded rows are zeros, as pv_bf16 pads them */
+                for (int j = (int)(n - t); j < 4; j++) vv[j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+            for (int g = 0; g < GROUP; g++) {
+                const __m512 s02 = _mm512_fmadd_ps(_mm512_set1_ps(p[g][2]), vv[2], _mm512_mul_ps(_mm512_set1_ps(p[g][0]), vv[0]));
+                const __m512 s13 = _mm512_fmadd_ps(_mm512_set1_ps(p[g][3]), vv[3], _mm512_mul_ps(_mm512_set1_ps(p[g][1]), vv[1]));
+                acc[g][c] = _mm512_add_ps(acc[g][c], _mm512_add_ps(s02, s13));
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GROUP; g++)
+#pragma GCC unroll 8
+        for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(acc_mem + g * head_dim + 16 * c, acc[g][c]);
+}
+
+#define BF16_CASES(X) X(32, 1) X(32, 2) X(32, 4) X(64, 1) X(64, 2) X(64, 3) X(64, 4) X(128, 1) X(128, 2)
+static inline __attribute__((always_inline)) int64_t scores_bf16_dispatch(
+    const float *qf, const uint16_t *k, const uint16_t *v, const int64_t *rows, int64_t n, float scale, float *scores, int64_t split,
+    float *split_max, int64_t head_dim, int64_t group) {
+#define X(D, G) if (head_dim == D && group == G) return scores_bf16_fixed(qf, k, v, rows, n, scale, scores, split, split_max, D / 16, G);
+    BF16_CASES(X)
+#undef X
+    return 0;
+}
+static inline __attribute__((always_inline)) int pv_bf16_dispatch(
+    const float *scores, int64_t split, const uint16_t *v, const uint16_t *k_next, const int64_t *rows, int64_t n, float *acc,
+    int64_t head_dim, int64_t group) {
+#define X(D, G) if (head_dim == D && group == G) { pv_bf16_fixed(scores, split, v, k_next, rows, n, acc, D / 16, G); return 1; }
+    BF16_CASES(X)
+#undef X
+    return 0;
+}
+#else
+#define scores_bf16_dispatch(...) 0
+#define pv_bf16_dispatch(...) 0
+#endif
 
 /* sc[t] <- exp(sc[t] - max), rounded to bf16 when the KV is bf16 (torch rounds P to the
  * storage dtype before P @ V); returns the float32 sum of the unrounded values. As torch's
@@ -411,8 +555,20 @@ static float exp_and_sum(float *sc, int64_t n, float max, int bf16) {
         sc[t] = expf(sc[t] - max);
         sum += sc[t];
     }
-    if (bf16)
-        for (int64_t t = 0; t < n; t++) sc[t] = bf16_to_f32(f32_to_bf16(sc[t]));
+    if (bf16) {
+        int64_t t = 0;
+#ifdef __AVX512F__
+        for (; t + 16 <= n; t += 16) { /* f32_to_bf16 and back on 16 lanes: round to nearest even, NaN kept */
+            const __m512i u = _mm512_loadu_si512(sc + t);
+            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+            r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+            _mm512_storeu_si512(sc + t, _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+        }
+#endif
+        for (; t < n; t++) sc[t] = bf16_to_f32(f32_to_bf16(sc[t]));
+    }
     return sum;
 }
 
@@ -441,12 +597,15 @@ static inline __attribute__((always_inline)) void attend(
             for (int64_t s0 = 0; s0 < ctx; s0 += split) {
                 const int64_t n = ctx - s0 < split ? ctx - s0 : split;
                 for (int64_t g = 0; g < group; g++) split_max[g] = -INFINITY;
-                for (int64_t t = 0; t < n; t++) {
-                    const int64_t pos = s0 + t;
-                    rows[t] = kvh * cache_stride_h + ((int64_t)table[pos / block_size] * block_size + pos % block_size) * head_dim;
+                for (int64_t t = 0, blk = s0 / block_size, off = s0 % block_size; t < n; t++) { /* slot of s0 + t */
+                    rows[t] = kvh * cache_stride_h + ((int64_t)table[blk] * block_size + off) * head_dim;
+                    if (++off == block_size) off = 0, blk++;
                 }
-                if (bf16)
-                    scores_bf16(qf, (const uint16_t *)k, rows, n, scale, scores, split, split_max, head_dim, group);
+                if (bf16) {
+                    const int64_t done = scores_bf16_dispatch(qf, (const uint16_t *)k, (const uint16_t *)v, rows, n, scale, scores, split, split_max, head_dim, group);
+                    if (done < n) /* the generic loop for the rest: scores and rows from `done` on */
+                        scores_bf16(qf, (const uint16_t *)k, rows + done, n - done, scale, scores + done, split, split_max, head_dim, group);
+                }
                 else if (!scores_dispatch(qf, (const float *)k, rows, n, scale, scores, split, split_max, head_dim, group))
                 for (int64_t t = 0; t < n; t++) { /* scores of every head in the group against one K row */
                     const int64_t row = rows[t];
@@ -466,8 +625,11 @@ static inline __attribute__((always_inline)) void attend(
                     if (s0 > 0)
                         for (int64_t d = 0; d < head_dim; d++) acc[g * head_dim + d] *= correction;
                 }
-                if (bf16)
-                    pv_bf16(scores, split, (const uint16_t *)v, rows, n, acc, head_dim, group);
+                if (bf16) {
+                    if (!pv_bf16_dispatch(scores, split, (const uint16_t *)v,
+                                          kvh + 1 < num_kv_heads ? (const uint16_t *)k + cache_stride_h : NULL, rows, n, acc, head_dim, group))
+                        pv_bf16(scores, split, (const uint16_t *)v, rows, n, acc, head_dim, group);
+                }
                 else if (!pv_dispatch(scores, split, (const float *)v, rows, n, acc, head_dim, group))
                 for (int64_t t = 0; t < n; t++) { /* acc += P @ V, every head in the group per V row */
                     const int64_t row = rows[t];
