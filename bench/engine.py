@@ -222,7 +222,8 @@ def main() -> None:
     print_tables(result)
     print(f"\n{machine}")
     print(f"hardware: read {hw['mem_read_bytes_per_s'] / 1e9:.1f} GB/s, memcpy {hw['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, "
-          f"matmul fp32 {hw['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {hw['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s ({hw['num_threads']} threads)")
+          f"matmul fp32 {hw['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {hw['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s ({hw['num_threads']} threads)"
+          + (f"; bf16 instruction peak {hw['bf16_instruction_peak_flops'] / 1e9:.0f} GFLOP/s (1 thread)" if hw.get("bf16_instruction_peak_flops") else ""))
     print("targets:", json.dumps({k: round(v, 3) if v is not None else None for k, v in targets.items()}))
     print(f"wrote {out / 'engine.json'} and {out / 'engine.png'}")
 

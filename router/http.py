@@ -9,14 +9,17 @@ import time
 import uuid
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from router import openai_api as oa
+from router.disconnect import Receive, follow
 from router.errors import _message, retry_after_s
 
 log = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer (Ray Serve's proxy logs it too)
 
 
 def parse(router, body: bytes, chat: bool) -> tuple[Any, list[int], SamplingParams]:
@@ -39,14 +42,20 @@ def parse(router, body: bytes, chat: bool) -> tuple[Any, list[int], SamplingPara
     return req, prompt_ids, params
 
 
-async def handle(router, body: bytes, chat: bool):
+async def handle(router, body: bytes, chat: bool, receive: Receive | None = None):
     """One OpenAI request: errors before the first token get their HTTP status and
-    OpenAI's error shape; a stream that fails later ends with an error event."""
+    OpenAI's error shape; a stream that fails later ends with an error event. With the
+    request's ASGI ``receive``, a client that disconnects stops its request at once
+    (router/disconnect.py)."""
     rid = oa.new_id("chatcmpl" if chat else "cmpl")
     try:
         req, prompt_ids, params = await asyncio.to_thread(parse, router, body, chat)  # tokenizing stays off the event loop
         stream = router._generate(uuid.uuid4().hex, rid, prompt_ids, params)
+        if receive is not None:
+            stream = follow(stream, receive)
         first = await stream.__anext__()
+    except StopAsyncIteration:  # the client left before the first token: nobody reads this
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     except Exception as e:  # noqa: BLE001 - every error gets a status and a message
         return error_response(e)
     if req.stream:
@@ -62,6 +71,8 @@ async def handle(router, body: bytes, chat: bool):
         return error_response(e)
     finally:
         await stream.aclose()
+    if not last.finish_reason:  # the client left mid-answer: nobody reads this
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     lp = None
     if params.logprobs is not None:
         lp = oa.chat_logprobs(router.tokenizer, logprobs) if chat else oa.completion_logprobs(router.tokenizer, logprobs)
@@ -88,7 +99,10 @@ async def sse_stream(router, rid: str, chat: bool, first: pb.GenerateResponse, s
             last = chunk
             if reason:
                 break
-            chunk = await stream.__anext__()
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:  # the client left: nobody reads the rest
+                return
         if include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield oa.sse(oa.usage_chunk(rid, router.model_name, created, obj, last.prompt_tokens, last.completion_tokens))

@@ -218,7 +218,7 @@ class Router:
             self.admission.check_size(len(body))
         except Exception as e:  # noqa: BLE001 - answered in OpenAI's shape
             return http.error_response(e)
-        return await http.handle(self, body, chat=chat)
+        return await http.handle(self, body, chat=chat, receive=request.receive)
 
     # -- the request path -------------------------------------------------------
 

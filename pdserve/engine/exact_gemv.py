@@ -22,6 +22,7 @@ The runner marks which rows of a step are decode rows (``AttentionContext.gemv_r
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -49,15 +50,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_rows(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] bf16 (rows contiguous) -> [M, N] bf16, each row as oneDNN's GEMV gives it alone."""
+    """x: [M, K] bf16 (rows contiguous) -> [M, N] bf16, each row as oneDNN's GEMV gives it alone.
+    Raises MemoryError if the kernel's float32 scratch (2 * M * 64 values) cannot be allocated."""
     m, k = x.shape
-    n = pairs.numel() * 2 // k
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    scratch = torch.empty(2 * m * 64, dtype=torch.float32)  # float32 totals and running sums of one 64-output tile
-    kernels.load("bf16_gemv").bf16_gemv_rows(x.data_ptr(), x.stride(0), m, k, pairs.data_ptr(), n, out.data_ptr(), scratch.data_ptr())
+    out = torch.empty(m, pairs.numel() * 2 // k, dtype=torch.bfloat16)
+    if _rows_kernel()(x.data_ptr(), x.stride(0), m, k, pairs.data_ptr(), out.shape[1], out.data_ptr()):
+        raise MemoryError(f"bf16_gemv_rows: no scratch for {m} rows")
     return out
+
+
+@functools.cache
+def _rows_kernel():
+    return kernels.load("bf16_gemv").bf16_gemv_rows  # looked up once: it runs for every linear layer of a step
 
 
 def _probe_rows(k: int, rows: int, seed: int) -> torch.Tensor:

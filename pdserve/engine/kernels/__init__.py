@@ -36,7 +36,8 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
     "bf16_gemv": {
         "bf16_gemv_available": (ctypes.c_int, []),
         "pack_pairs": (None, [_ptr, _i64, _i64, _ptr]),
-        "bf16_gemv_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]),
+        "bf16_gemv_rows": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr]),
+        "bf16_dot_peak_probe": (ctypes.c_float, [_i64]),
     },
     "kv_blocks": {
         "kv_checksum_blocks": (_u64, [_ptr, _i64, _i64, _ptr, _i64, _i64, _u64]),

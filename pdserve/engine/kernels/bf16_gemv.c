@@ -17,6 +17,7 @@
  * Built with cc -O3 -march=native by kernels/__init__.py; one thread per call.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define K_BLOCK 512 /* oneDNN's K block for this GEMV */
@@ -99,9 +100,25 @@ static inline __attribute__((always_inline)) void piece_rows(
 #define CASE_T(R, T) case T: piece_rows(xr, x_stride, tile, width, i0, i1, part, tot, i0 == b0, i1 == b1, b0 == 0, R, T); break;
 #define CASE_R(R) case R: switch (tiles) { CASE_T(R, 1) CASE_T(R, 2) CASE_T(R, 3) CASE_T(R, 4) } break;
 
-void bf16_gemv_rows(const uint16_t *x, int64_t x_stride, int64_t m_rows, int64_t k, const uint32_t *wp, int64_t n_out,
-                    uint16_t *out, float *scratch /* [2, M, 64] float32: totals, then running sums */) {
+/* [2, M, 64] float32 per thread (totals, then running sums), kept between calls. Returns NULL if out of memory. */
+static float *scratch_for(int64_t m_rows) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (2 * m_rows * 16 * TILE > cap) {
+        free(buf);
+        cap = 2 * m_rows * 16 * TILE;
+        buf = malloc(sizeof(float) * cap);
+        if (!buf) cap = 0;
+    }
+    return buf;
+}
+
+/* Returns 0, or -1 if scratch memory could not be had (out is then unwritten). */
+int bf16_gemv_rows(const uint16_t *x, int64_t x_stride, int64_t m_rows, int64_t k, const uint32_t *wp, int64_t n_out,
+                   uint16_t *out) {
     const int64_t pairs = k / 2, block_pairs = K_BLOCK / 2;
+    float *scratch = scratch_for(m_rows);
+    if (!scratch) return -1;
     const int64_t groups = (m_rows + ROWS - 1) / ROWS; /* rows split evenly: 32 = 6 + 6 + 5 + 5 + 5 + 5 */
 #define rows_in(g) (m_rows / groups + ((g) < m_rows % groups))
     for (int64_t n0 = 0; n0 < n_out; n0 += 16 * TILE) {
@@ -123,10 +140,33 @@ void bf16_gemv_rows(const uint16_t *x, int64_t x_stride, int64_t m_rows, int64_t
             for (int64_t j = 0; j < width; j++) o[j] = f32_to_bf16(scratch[m * 16 * TILE + j]);
         }
     }
+    return 0;
+}
+/* The core's bf16 dot-product peak, for bench/hardware.py: `iters` rounds of 24 independent
+ * VDPBF16PS chains (64 FLOP each), enough to hide the instruction's latency. Returns a sum of
+ * the results, so that the compiler keeps the work. */
+float bf16_dot_peak_probe(int64_t iters) {
+    __m512 acc[24];
+    for (int c = 0; c < 24; c++) acc[c] = _mm512_setzero_ps();
+    __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x3c003c00); /* 1.0, 2^-7 */
+    for (int64_t i = 0; i < iters; i++) {
+        __asm__ volatile("" : "+v"(x), "+v"(y)); /* opaque inputs: no folding across rounds */
+#pragma GCC unroll 24
+        for (int c = 0; c < 24; c++) acc[c] = _mm512_dpbf16_ps(acc[c], x, y);
+    }
+    float total = 0.f;
+    for (int c = 0; c < 24; c++) total += _mm512_reduce_add_ps(acc[c]);
+    return total;
 }
 #else
-void bf16_gemv_rows(const uint16_t *x, int64_t x_stride, int64_t m_rows, int64_t k, const uint32_t *wp, int64_t n_out,
-                    uint16_t *out, float *scratch) {
-    (void)x; (void)x_stride; (void)m_rows; (void)k; (void)wp; (void)n_out; (void)out; (void)scratch;
+float bf16_dot_peak_probe(int64_t iters) {
+    (void)iters;
+    return -1.f;
+}
+
+int bf16_gemv_rows(const uint16_t *x, int64_t x_stride, int64_t m_rows, int64_t k, const uint32_t *wp, int64_t n_out,
+                   uint16_t *out) {
+    (void)x; (void)x_stride; (void)m_rows; (void)k; (void)wp; (void)n_out; (void)out;
+    return -1;
 }
 #endif
