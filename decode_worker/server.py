@@ -25,6 +25,7 @@ from pdserve.worker import PREFILL_DEADLINE_S, build_engine, rss_bytes
 log = logging.getLogger(__name__)
 
 STEP_DEADLINE_S = 60.0  # longest wait for one token, beyond max_step_s, before the request fails
+ABORT_MEMORY_S = 300.0  # an abort by id that finds no request here is remembered this long (one that comes first)
 
 
 async def receive_kv(kv_cache: PagedKVCache, receiver: KVReceiver, handle: KVHandle, blocks: list[int], num_tokens: int,
@@ -72,6 +73,9 @@ class DecodeServer:
         self.tpot = LatencyWindow()  # seconds per output token after the first, for autoscaling on TPOT
         self.busy = BusyMeter()  # busy fraction between autoscaling reports
         self.metrics = PoolMetrics(pool, self.cfg.model.path, self._stats)
+        self._running: dict[str, asyncio.Queue] = {}  # request id -> its output queue, while it decodes here
+        self._aborted: dict[str, float] = {}  # request id -> when an abort by id came (monotonic s)
+        self.num_aborted_by_id = 0  # requests stopped by ``abort`` rather than by a cancelled call
 
     async def _reserve(self, num_tokens: int, deadline: float) -> list[int]:
         """Blocks for the incoming KV; they count as used from now on, so admission sees them."""
@@ -104,6 +108,8 @@ class DecodeServer:
         if a token takes longer than max_step_s + STEP_DEADLINE_S.
         """
         request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
+        if request.request_id in self._aborted:  # the router gave up on it already (abort); it releases prefill's KV
+            return
         self.loop.raise_if_stalled()  # before fetching KV into a replica that cannot run it
         timeout_s = self.cfg.kv_transfer.timeout_s
         num_prompt = len(request.prompt_ids)
@@ -118,6 +124,9 @@ class DecodeServer:
             if received is None:  # layer-wise: prefill finished the request itself, nothing to decode
                 return
             seq, blocks = received
+        if request.request_id in self._aborted:  # the router gave up on it before it got here
+            self.engine.free_blocks(blocks)
+            return
         # Close the inner generator here, not at garbage collection: when a client leaves,
         # Ray closes this generator at its yield, and only then is the sequence aborted at once.
         run = self._run(seq, blocks)
@@ -179,6 +188,7 @@ class DecodeServer:
             self.engine.free_blocks(blocks)
             raise
         last = None
+        self._running[seq.request_id] = queue
         try:
             while True:
                 item = await self.loop.next_output(queue, self.pool_cfg.max_step_s + STEP_DEADLINE_S)
@@ -190,7 +200,26 @@ class DecodeServer:
                 if item.finish_reason is not None:
                     return
         finally:
+            self._running.pop(seq.request_id, None)
             self.loop.abort(seq)  # no-op once finished
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request by id (the router calls this for a request its client left, as Ray
+        Serve's cancel of a generate call is now and then lost on the way: then the call ran on
+        to max_tokens). Its stream ends with ``finish_reason="abort"`` and its blocks are freed
+        before the next step. An abort that finds no such request here (not arrived yet, on
+        another replica, or done) is remembered for ABORT_MEMORY_S, and a generate call for it
+        that comes later returns at once. Returns whether the request was decoding here."""
+        now = time.monotonic()
+        for rid in [rid for rid, at in self._aborted.items() if now - at > ABORT_MEMORY_S]:
+            del self._aborted[rid]
+        self._aborted[request_id] = now
+        queue = self._running.get(request_id)
+        if queue is None:
+            return False
+        self.num_aborted_by_id += 1
+        queue.put_nowait(TokenChunk([], "abort"))  # _run yields it and returns; its finally aborts the sequence
+        return True
 
     async def _release_quietly(self, handle: KVHandle) -> None:
         await asyncio.to_thread(self._release_sync, handle)
@@ -212,7 +241,7 @@ class DecodeServer:
     def _stats(self) -> dict[str, int]:
         return {
             "num_kv_fetched": self.num_kv_fetched, "num_kv_faults": self.num_kv_faults, "num_recomputed": self.num_recomputed,
-            "num_migrated_in": self.num_migrated_in,
+            "num_migrated_in": self.num_migrated_in, "num_aborted_by_id": self.num_aborted_by_id,
             "rss_bytes": rss_bytes(), "node_id": self.node_id,
             **self.engine.stats(), **{f"kv_{k}": v for k, v in self.kv_receiver.stats().items()},
         }

@@ -101,6 +101,7 @@ class RequestPath:
                 await items.aclose()
             if items is None and early_decode is not None:  # left before decode was read: stop it
                 early_decode.cancel()
+                self._abort_decode(request_id)
             if not finished:  # cancelled, failed or stopped by a stop string: prefill frees its copy now
                 self._release(first.kv)
 
@@ -110,7 +111,7 @@ class RequestPath:
         ``call``: the decode call already started for it (layer-wise), if any."""
         streamed, attempts = list(streamed), Attempts(self.decode_retries)
         while True:
-            stream, call, finished = call or self.decode.options(stream=True).generate.remote(request), None, False
+            stream, call, finished, retry = call or self.decode.options(stream=True).generate.remote(request), None, False, False
             try:
                 async for item in stream:
                     finished = item.finish_reason is not None
@@ -134,9 +135,12 @@ class RequestPath:
                     log.warning("decode replica lost for %s after %d tokens (%s); migrating", request.request_id, len(streamed), type(e).__name__)
                 if streamed:  # go on after what the client has; with nothing yet (colocated), send it again as it was
                     request = DecodeRequest(request.request_id, request.prompt_ids, streamed[0], request.params, None, tuple(streamed[1:]))
+                retry = True
             finally:
                 if not finished:
                     stream.cancel()
+                    if not retry:  # given up (client gone, stop string, error): stop it by id too
+                        self._abort_decode(request.request_id)
 
     async def _prefill(self, request: PrefillRequest) -> PrefillResult:
         """The prefill call, retried on another replica if its replica dies.
@@ -213,6 +217,16 @@ class RequestPath:
             done.add_done_callback(self._background.discard)
             return
         contextvars.Context().run(self.prefill.release.remote, kv if isinstance(kv, str) else kv.transfer_id)
+
+    def _abort_decode(self, request_id: str) -> None:
+        """Tell the decode pool to stop a request, beside cancelling its call: Ray Serve loses
+        that cancel now and then under load (a fresh-clone trial on 2026-12-01: 3 of ~18 runs of
+        16 streams whose clients left, 1-5 requests each, decoded on to max_tokens, their
+        decode call never cancelled). Fire and forget, outside this request's context (see
+        _release); with several decode replicas it reaches the one running the request only by
+        chance, as prefill's release by id does (an abort that finds nothing is remembered
+        there a while, decode_worker/server.py)."""
+        contextvars.Context().run(self.decode.abort.remote, request_id)
 
     def _release_at_holder(self, handle: KVHandle) -> None:
         try:

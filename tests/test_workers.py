@@ -68,6 +68,36 @@ def test_hand_off_is_exact_over_each_backend(workers, reference):
     assert (prefill.engine.kv_cache.shm_path is not None) == (backend != "grpc")
 
 
+def test_abort_by_id_stops_a_running_request_and_one_that_comes_later(workers, reference):
+    """The router's abort by id, sent beside a cancel that Ray Serve may lose: a request
+    decoding here ends at once (finish_reason "abort"); one aborted before its generate call
+    comes returns without decoding. Both leave every block and lease free."""
+    backend, prefill, decode = workers
+    prompt, _ = reference
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+
+    async def go():
+        first = await prefill.prefill(PrefillRequest(f"abort-{backend}", prompt, params))
+        chunks = []
+        async for chunk in decode.generate(DecodeRequest(f"abort-{backend}", prompt, first.first_token, params, first.kv)):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                assert await decode.abort(f"abort-{backend}")
+        assert not await decode.abort(f"early-{backend}")  # not here yet: remembered
+        second = await prefill.prefill(PrefillRequest(f"early-{backend}", prompt, params))
+        late = [c async for c in decode.generate(DecodeRequest(f"early-{backend}", prompt, second.first_token, params, second.kv))]
+        assert await prefill.release(second.kv.transfer_id)  # as the router does for a request it gave up
+        return chunks, late
+
+    before = asyncio.run(decode.stats())["num_aborted_by_id"]
+    chunks, late = asyncio.run(go())
+    assert chunks[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in chunks) < 20, chunks
+    assert late == []
+    p, d = asyncio.run(settle(prefill, decode))
+    assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]
+    assert d["num_running"] == 0 and d["num_aborted_by_id"] == before + 1
+
+
 @pytest.mark.parametrize("fault", ["timeout", "break", "corrupt", "expire"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_fault_policy(workers, reference, fault, policy):

@@ -17,6 +17,7 @@ forward, as in nano-vllm.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ class AttentionContext:
     decode_context_lens: torch.Tensor | None = None  # [num_seqs] int32 (kernel path)
     # layer-wise streaming: (LayerProgress, tokens written once this step's layer is stored)
     kv_progress: list[tuple[object, int]] | None = None
-    # gather buffers by name; None = this module's, reallocated when too small (CUDA graphs
+    # gather buffers by name; None = this thread's, reallocated when too small (CUDA graphs
     # pass their own, sized once, as a graph keeps their address)
     workspaces: dict[str, torch.Tensor] | None = None
     # rows of the step's tokens that the reference computes in a one-token forward (decode
@@ -55,24 +56,22 @@ class AttentionContext:
         return self.query_starts[-1]
 
 
-_context: AttentionContext | None = None
+_local = threading.local()  # the step's context, per thread: engines of one process (a test's prefill and decode) step on their own
 
 
 def set_context(context: AttentionContext | None) -> None:
-    global _context
-    _context = context
+    _local.context = context
 
 
 def current_context() -> AttentionContext | None:
-    return _context
-
-
-_workspaces: dict[str, torch.Tensor] = {}
+    return getattr(_local, "context", None)
 
 
 def _workspace(name: str, numel: int, like: torch.Tensor, workspaces: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """A reused flat buffer: fresh multi-MB allocations cost page faults on every step."""
-    workspaces = _workspaces if workspaces is None else workspaces
+    """A reused flat buffer (this thread's, unless ``workspaces`` is given): fresh multi-MB
+    allocations cost page faults on every step."""
+    if workspaces is None:
+        workspaces = _local.__dict__.setdefault("workspaces", {})
     buf = workspaces.get(name)
     if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
         buf = workspaces[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
@@ -83,7 +82,7 @@ def gather_blocks(blocks: torch.Tensor, block_ids: torch.Tensor, workspace: str,
     """blocks: [kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, len(block_ids), block_size, head_dim].
 
     Copies whole blocks (as ``kv_cache.block_rows``) into a reused buffer, valid until the
-    next call with the same ``workspace`` name (in ``workspaces``, default this module's).
+    next call with the same ``workspace`` name (in ``workspaces``, default this thread's).
     """
     heads, num_blocks, block_size, head_dim = blocks.shape
     rows = block_rows(blocks, num_blocks)  # [kv_heads, num_blocks, block words]
@@ -124,7 +123,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     Returns (out: [1, N, heads, head_dim], None).
     """
-    ctx = _context
+    ctx = current_context()
     layer = module.layer_idx
     k_cache, v_cache = ctx.kv_cache.k[layer], ctx.kv_cache.v[layer]  # [kv_heads, slots, head_dim]
     k_cache.index_copy_(1, ctx.slot_mapping, key[0])

@@ -56,7 +56,7 @@ def paged_decode_attention(
         query = query.contiguous()
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype)
-    numel = group * (TORCH_KV_SPLIT + 2 * head_dim) + 2 * TORCH_KV_SPLIT  # see paged_attention.c
+    numel = group * (TORCH_KV_SPLIT + 2 * head_dim) + 4 * TORCH_KV_SPLIT  # see paged_attention.c
     scratch = getattr(_local, "scratch", None)
     if scratch is None or scratch.numel() < numel:
         scratch = _local.scratch = torch.empty(numel, dtype=torch.float32)

@@ -8,7 +8,7 @@
  *   block_tables: [batch, max_blocks] int32
  *   context_lens: [batch] int32, tokens of context including the new one (its K/V already stored)
  *   out:          [batch, num_heads, head_dim], contiguous
- *   scratch:      float32, group * (split + 2 * head_dim) + 2 * split elements; group = num_heads / num_kv_heads <= 64
+ *   scratch:      float32, group * (split + 2 * head_dim) + 4 * split elements; group = num_heads / num_kv_heads <= 64
  *
  * Numerics follow torch's CPU flash-attention kernel (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp),
  * which the reference model.generate runs: scores q.k in float32, then scaled; keys taken in splits
@@ -23,9 +23,11 @@
  *
  * Speed: both dtypes have loops specialised for common (head_dim, group) pairs with their
  * accumulators in registers (FAST_CASES, BF16_CASES), and K/V rows, scattered over blocks, are
- * prefetched ahead. bf16 at batch 32, context 512, SmolLM2's 9/3 heads x 64 on one Zen 4 core:
- * 1.0 ms per layer with the KV in L3, 1.8 ms from DRAM (~7 GB/s of KV); its bound is the
- * float32 arithmetic of torch's order, not the memory.
+ * prefetched ahead. With AVX512-BF16, bf16 takes torch's order two terms at a time with
+ * VDPBF16PS (scores_bf16_dp, pv_bf16_dp: same bits but for float32 denormals). bf16 at batch
+ * 32, context 512, SmolLM2's 9/3 heads x 64 on one Zen 4 core: 0.56 ms per layer with the KV
+ * in L3, 1.2-1.3 ms from DRAM (~10 GB/s of KV); before VDPBF16PS 1.0 and 1.8 ms, before the
+ * register-resident loops and prefetch 2.5 and 2.1-2.5 ms.
  *
  * Built with cc -O3 -march=native by kernels/__init__.py; one thread per call.
  */
@@ -243,6 +245,14 @@ static inline __attribute__((always_inline)) int pv_dispatch(
 #define pv_dispatch(...) 0
 #endif
 
+/* The keys the next round (next K/V head, or next sequence) starts with: P @ V prefetches them
+ * into L2, as the hardware prefetcher cannot guess scattered blocks. k + rows[t], t < n. */
+typedef struct {
+    const uint16_t *k;
+    const int64_t *rows;
+    int64_t n;
+} next_keys;
+
 /* K/V rows sit in scattered blocks, which the hardware prefetcher cannot guess: the bf16 loops
  * fetch the rows PREFETCH_ROWS ahead (64 cache lines in flight for head_dim 64). */
 #define PREFETCH_ROWS 32
@@ -381,6 +391,39 @@ static void pv_bf16(const float *scores, int64_t split, const uint16_t *v, const
 }
 
 #ifdef __AVX512F__
+/* Scores of 16 K rows from four registers of four chains per row (register m: rows m, m + 4,
+ * m + 8, m + 12 in its quarters): (s0 + s2) + (s1 + s3) per row, times scale, stored in row
+ * order at out[0:16]; returns them. */
+static inline __attribute__((always_inline)) __m512 store_16_scores(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float scale, float *out) {
+    const __m512 x0 = _mm512_add_ps(a0, _mm512_shuffle_ps(a0, a0, 0x4E)), x1 = _mm512_add_ps(a1, _mm512_shuffle_ps(a1, a1, 0x4E));
+    const __m512 x2 = _mm512_add_ps(a2, _mm512_shuffle_ps(a2, a2, 0x4E)), x3 = _mm512_add_ps(a3, _mm512_shuffle_ps(a3, a3, 0x4E));
+    /* per quarter [s0 + s2, s1 + s3, s2 + s0, s3 + s1]; gather the first two of each register, then add */
+    const __m512 p01 = _mm512_shuffle_ps(x0, x1, 0x44), p23 = _mm512_shuffle_ps(x2, x3, 0x44);
+    const __m512 e = _mm512_shuffle_ps(p01, p23, 0x88), o = _mm512_shuffle_ps(p01, p23, 0xDD);
+    const __m512 sc = _mm512_mul_ps(_mm512_add_ps(e, o), _mm512_set1_ps(scale)); /* lane j = row j */
+    _mm512_storeu_ps(out, sc);
+    return sc;
+}
+
+/* Before 16 K rows from t: the K rows PREFETCH_ROWS ahead into L1, and these rows' V into L2
+ * (a split's V rows, 64 KB, outgrow L1), read next by P @ V. */
+static inline __attribute__((always_inline)) void prefetch_16_rows(const uint16_t *k, const uint16_t *v, const int64_t *rows, int64_t t,
+                                                                   int64_t n, int64_t head_dim) {
+    if (t + PREFETCH_ROWS + 16 <= n)
+        for (int j = 0; j < 16; j++) prefetch_row(k + rows[t + PREFETCH_ROWS + j], head_dim);
+    for (int j = 0; j < 16; j++)
+        for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(v + rows[t + j] + i, 0, 2);
+}
+
+/* During P @ V over rows t .. t + 3: the next round's keys t .. t + 3 into L2, found there by its scores. */
+static inline __attribute__((always_inline)) void prefetch_next_keys(const next_keys *next, int64_t t, int64_t head_dim) {
+    if (next)
+        for (int j = 0; j < 4 && t + j < next->n; j++)
+            for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(next->k + next->rows[t + j] + i, 0, 2);
+}
+#endif
+
+#ifdef __AVX512F__
 /* The bf16 loops above for head_dim = 16 * CHUNKS and GROUP query heads per K/V head known at
  * compile time, so the accumulators live in registers (the generic loops keep them on the
  * stack, one store-to-load round trip per FMA). Same operations, same order, same bits.
@@ -397,10 +440,7 @@ static inline __attribute__((always_inline)) int64_t scores_bf16_fixed(
     for (int g = 0; g < GROUP; g++) vmax[g] = _mm512_set1_ps(-INFINITY);
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) {
-        if (t + PREFETCH_ROWS + 16 <= n)
-            for (int j = 0; j < 16; j++) prefetch_row(k + rows[t + PREFETCH_ROWS + j], head_dim);
-        for (int j = 0; j < 16; j++) /* for pv_bf16_fixed, next: into L2, as a split's V rows (64 KB) outgrow L1 */
-            for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(v + rows[t + j] + i, 0, 2);
+        prefetch_16_rows(k, v, rows, t, n, head_dim);
         __m512 acc[4][4];
 #pragma GCC unroll 4
         for (int m = 0; m < 4; m++)
@@ -426,27 +466,16 @@ static inline __attribute__((always_inline)) int64_t scores_bf16_fixed(
                 }
             }
 #pragma GCC unroll 4
-        for (int g = 0; g < GROUP; g++) {
-            __m512 x[4]; /* per quarter [s0 + s2, s1 + s3, s2 + s0, s3 + s1] */
-#pragma GCC unroll 4
-            for (int m = 0; m < 4; m++) x[m] = _mm512_add_ps(acc[m][g], _mm512_shuffle_ps(acc[m][g], acc[m][g], 0x4E));
-            const __m512 p01 = _mm512_shuffle_ps(x[0], x[1], 0x44), p23 = _mm512_shuffle_ps(x[2], x[3], 0x44);
-            const __m512 e = _mm512_shuffle_ps(p01, p23, 0x88), o = _mm512_shuffle_ps(p01, p23, 0xDD);
-            const __m512 sc = _mm512_mul_ps(_mm512_add_ps(e, o), _mm512_set1_ps(scale)); /* lane j = row t + j */
-            _mm512_storeu_ps(scores + g * split + t, sc);
-            vmax[g] = _mm512_max_ps(vmax[g], sc);
-        }
+        for (int g = 0; g < GROUP; g++)
+            vmax[g] = _mm512_max_ps(vmax[g], store_16_scores(acc[0][g], acc[1][g], acc[2][g], acc[3][g], scale, scores + g * split + t));
     }
-    for (int g = 0; g < GROUP; g++) {
-        const float m = _mm512_reduce_max_ps(vmax[g]);
-        if (m > split_max[g]) split_max[g] = m;
-    }
+    for (int g = 0; g < GROUP; g++) split_max[g] = fmaxf(split_max[g], _mm512_reduce_max_ps(vmax[g]));
     return t;
 }
 
 /* acc += P @ V in pv_bf16's order, the GROUP x CHUNKS accumulators in registers; all n rows. */
 static inline __attribute__((always_inline)) void pv_bf16_fixed(
-    const float *scores, int64_t split, const uint16_t *v, const uint16_t *k_next, const int64_t *rows, int64_t n, float *acc_mem,
+    const float *scores, int64_t split, const uint16_t *v, const next_keys *next, const int64_t *rows, int64_t n, float *acc_mem,
     const int CHUNKS, const int GROUP) {
     const int64_t head_dim = 16 * CHUNKS;
     __m512 acc[4][8];
@@ -456,9 +485,7 @@ static inline __attribute__((always_inline)) void pv_bf16_fixed(
         for (int c = 0; c < CHUNKS; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * head_dim + 16 * c);
     for (int64_t t = 0; t < n; t += 4) {
         const uint16_t *vr[4];
-        if (k_next) /* the next K/V head's keys, same slots: scores of the next round find them cached */
-            for (int j = 0; j < 4 && t + j < n; j++)
-                for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(k_next + rows[t + j] + i, 0, 2); /* into L2 */
+        prefetch_next_keys(next, t, head_dim);
         float p[4][4];
         for (int j = 0; j < 4; j++) vr[j] = v + rows[t + j < n ? t + j : t]; /* a padded row's p is 0 */
         for (int g = 0; g < GROUP; g++)
@@ -485,19 +512,151 @@ static inline __attribute__((always_inline)) void pv_bf16_fixed(
         for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(acc_mem + g * head_dim + 16 * c, acc[g][c]);
 }
 
+#if defined(__AVX512BF16__)
+/* The same two loops with VDPBF16PS, which takes bf16 pairs straight from the cache (no
+ * conversion) and does two of torch's multiply-adds per lane: it adds the product of the
+ * pairs' high halves, then of the low halves, each sum rounded to float32 (round to nearest
+ * even), which is torch's chain of FMAs (bf16 products are exact in float32). Checked bit for
+ * bit against the FMA chain on 200,000 random 16-term chains with mixed exponents, and with
+ * the pair order swapped 24% differ. The instruction treats float32 denormals (below 1.2e-38)
+ * as zero, inputs and sums, where torch keeps them: such terms are far below a bf16 step of
+ * any sum they join.
+ *
+ * Scores: for head dims 8m .. 8m + 7 a 128-bit quarter holds one row's four chains j as pairs
+ * (low: d = 8m + j + 4, high: d = 8m + j), d then d + 4 as torch's chain j takes them. */
+static inline __attribute__((always_inline)) int64_t scores_bf16_dp(
+    const float *qf, const uint16_t *k, const uint16_t *v, const int64_t *rows, int64_t n, float scale, float *scores, int64_t split,
+    float *split_max, const int CHUNKS, const int GROUP) {
+    const int64_t head_dim = 16 * CHUNKS;
+    const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 9, 0, 1, 10, 11, 2, 3, 12, 13, 4, 5, 14, 15, 6, 7));
+    __m512i qp[4][16]; /* [g][m]: q's pairs for dims 8m .. 8m + 7 in all four quarters */
+    for (int g = 0; g < GROUP; g++)
+        for (int m = 0; m < head_dim / 8; m++) {
+            uint16_t q8[8];
+            for (int i = 0; i < 8; i++) { /* qf holds bf16 values exactly: their high halves */
+                uint32_t u;
+                memcpy(&u, qf + g * head_dim + 8 * m + i, 4);
+                q8[i] = (uint16_t)(u >> 16);
+            }
+            qp[g][m] = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q8)), pairs);
+        }
+    __m512 vmax[4];
+    for (int g = 0; g < GROUP; g++) vmax[g] = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        prefetch_16_rows(k, v, rows, t, n, head_dim);
+        __m512 acc[4][4];
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; m++)
+#pragma GCC unroll 4
+            for (int g = 0; g < GROUP; g++) acc[m][g] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int c = 0; c < CHUNKS / 2; c++) /* 32 dims: steps 4c .. 4c + 3 */
+#pragma GCC unroll 4
+            for (int m = 0; m < 4; m++) { /* register m: rows t + m, t + m + 4, t + m + 8, t + m + 12 */
+                __m512i r[4];
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++)
+                    r[i] = _mm512_shuffle_epi8(_mm512_loadu_si512(k + rows[t + m + 4 * i] + 32 * c), pairs);
+                /* 4 x 4 transpose of quarters: z[s] = step 4c + s of the four rows */
+                const __m512i t0 = _mm512_shuffle_i64x2(r[0], r[1], 0x44), t1 = _mm512_shuffle_i64x2(r[0], r[1], 0xEE);
+                const __m512i t2 = _mm512_shuffle_i64x2(r[2], r[3], 0x44), t3 = _mm512_shuffle_i64x2(r[2], r[3], 0xEE);
+                const __m512i z[4] = {_mm512_shuffle_i64x2(t0, t2, 0x88), _mm512_shuffle_i64x2(t0, t2, 0xDD),
+                                      _mm512_shuffle_i64x2(t1, t3, 0x88), _mm512_shuffle_i64x2(t1, t3, 0xDD)};
+#pragma GCC unroll 4
+                for (int s4 = 0; s4 < 4; s4++)
+#pragma GCC unroll 4
+                    for (int g = 0; g < GROUP; g++)
+                        acc[m][g] = _mm512_dpbf16_ps(acc[m][g], (__m512bh)qp[g][4 * c + s4], (__m512bh)z[s4]);
+            }
+#pragma GCC unroll 4
+        for (int g = 0; g < GROUP; g++)
+            vmax[g] = _mm512_max_ps(vmax[g], store_16_scores(acc[0][g], acc[1][g], acc[2][g], acc[3][g], scale, scores + g * split + t));
+    }
+    for (int g = 0; g < GROUP; g++) split_max[g] = fmaxf(split_max[g], _mm512_reduce_max_ps(vmax[g]));
+    return t;
+}
+
+/* P @ V: per group of four rows, (p0 v0 + p2 v2) and (p1 v1 + p3 v3) are one VDPBF16PS each
+ * from zero (the first product exact, the sum rounded once, as fma(p2, v2, p0 v0)), then added
+ * to the accumulator as pv_bf16 does. V rows 0 and 2 (1 and 3) are interleaved by 16-bit
+ * unpacks, so the accumulators hold dims in the order (8L + i | 8L + 4 + i) of each 32; they
+ * are put back in order when stored. */
+static inline __attribute__((always_inline)) void pv_bf16_dp(
+    const float *scores, int64_t split, const uint16_t *v, const next_keys *next, const int64_t *rows, int64_t n, float *acc_mem,
+    const int CHUNKS, const int GROUP) {
+    const int64_t head_dim = 16 * CHUNKS;
+    __m512 acc[4][8]; /* [g][2c]: dims 32c + 8L + i, [g][2c + 1]: 32c + 8L + 4 + i (quarter L, lane i) */
+#pragma GCC unroll 4
+    for (int g = 0; g < GROUP; g++)
+#pragma GCC unroll 4
+        for (int c = 0; c < CHUNKS / 2; c++) {
+            const __m512 n0 = _mm512_loadu_ps(acc_mem + g * head_dim + 32 * c), n1 = _mm512_loadu_ps(acc_mem + g * head_dim + 32 * c + 16);
+            acc[g][2 * c] = _mm512_shuffle_f32x4(n0, n1, 0x88);
+            acc[g][2 * c + 1] = _mm512_shuffle_f32x4(n0, n1, 0xDD);
+        }
+    for (int64_t t = 0; t < n; t += 4) {
+        prefetch_next_keys(next, t, head_dim);
+        const int live = n - t < 4 ? (int)(n - t) : 4; /* rows past n: p = 0 and v = 0, as pv_bf16 pads */
+        __m512i p02[4], p13[4];
+        for (int g = 0; g < GROUP; g++) {
+            uint32_t b[4];
+            for (int j = 0; j < 4; j++) {
+                const float p = j < live ? scores[g * split + t + j] : 0.f;
+                memcpy(&b[j], &p, 4);
+                b[j] >>= 16; /* p is a bf16 value already */
+            }
+            p02[g] = _mm512_set1_epi32((int)(b[0] | b[2] << 16));
+            p13[g] = _mm512_set1_epi32((int)(b[1] | b[3] << 16));
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < CHUNKS / 2; c++) {
+            __m512i vr[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+                vr[j] = j < live ? _mm512_loadu_si512(v + rows[t + j] + 32 * c) : _mm512_setzero_si512();
+            const __m512i v02lo = _mm512_unpacklo_epi16(vr[0], vr[2]), v02hi = _mm512_unpackhi_epi16(vr[0], vr[2]);
+            const __m512i v13lo = _mm512_unpacklo_epi16(vr[1], vr[3]), v13hi = _mm512_unpackhi_epi16(vr[1], vr[3]);
+#pragma GCC unroll 4
+            for (int g = 0; g < GROUP; g++) {
+                const __m512 z = _mm512_setzero_ps();
+                const __m512 lo = _mm512_add_ps(_mm512_dpbf16_ps(z, (__m512bh)p02[g], (__m512bh)v02lo), _mm512_dpbf16_ps(z, (__m512bh)p13[g], (__m512bh)v13lo));
+                const __m512 hi = _mm512_add_ps(_mm512_dpbf16_ps(z, (__m512bh)p02[g], (__m512bh)v02hi), _mm512_dpbf16_ps(z, (__m512bh)p13[g], (__m512bh)v13hi));
+                acc[g][2 * c] = _mm512_add_ps(acc[g][2 * c], lo);
+                acc[g][2 * c + 1] = _mm512_add_ps(acc[g][2 * c + 1], hi);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GROUP; g++)
+#pragma GCC unroll 4
+        for (int c = 0; c < CHUNKS / 2; c++) {
+            const __m512 a = _mm512_shuffle_f32x4(acc[g][2 * c], acc[g][2 * c + 1], 0x44); /* lo.L0 lo.L1 hi.L0 hi.L1 */
+            const __m512 b = _mm512_shuffle_f32x4(acc[g][2 * c], acc[g][2 * c + 1], 0xEE); /* lo.L2 lo.L3 hi.L2 hi.L3 */
+            _mm512_storeu_ps(acc_mem + g * head_dim + 32 * c, _mm512_shuffle_f32x4(a, a, 0xD8));
+            _mm512_storeu_ps(acc_mem + g * head_dim + 32 * c + 16, _mm512_shuffle_f32x4(b, b, 0xD8));
+        }
+}
+#define SCORES_BF16 scores_bf16_dp
+#define PV_BF16 pv_bf16_dp
+#else
+#define SCORES_BF16 scores_bf16_fixed
+#define PV_BF16 pv_bf16_fixed
+#endif
+
 #define BF16_CASES(X) X(32, 1) X(32, 2) X(32, 4) X(64, 1) X(64, 2) X(64, 3) X(64, 4) X(128, 1) X(128, 2)
 static inline __attribute__((always_inline)) int64_t scores_bf16_dispatch(
     const float *qf, const uint16_t *k, const uint16_t *v, const int64_t *rows, int64_t n, float scale, float *scores, int64_t split,
     float *split_max, int64_t head_dim, int64_t group) {
-#define X(D, G) if (head_dim == D && group == G) return scores_bf16_fixed(qf, k, v, rows, n, scale, scores, split, split_max, D / 16, G);
+#define X(D, G) if (head_dim == D && group == G) return SCORES_BF16(qf, k, v, rows, n, scale, scores, split, split_max, D / 16, G);
     BF16_CASES(X)
 #undef X
     return 0;
 }
 static inline __attribute__((always_inline)) int pv_bf16_dispatch(
-    const float *scores, int64_t split, const uint16_t *v, const uint16_t *k_next, const int64_t *rows, int64_t n, float *acc,
+    const float *scores, int64_t split, const uint16_t *v, const next_keys *next, const int64_t *rows, int64_t n, float *acc,
     int64_t head_dim, int64_t group) {
-#define X(D, G) if (head_dim == D && group == G) { pv_bf16_fixed(scores, split, v, k_next, rows, n, acc, D / 16, G); return 1; }
+#define X(D, G) if (head_dim == D && group == G) { PV_BF16(scores, split, v, next, rows, n, acc, D / 16, G); return 1; }
     BF16_CASES(X)
 #undef X
     return 0;
@@ -572,6 +731,14 @@ static float exp_and_sum(float *sc, int64_t n, float max, int bf16) {
     return sum;
 }
 
+/* rows[t] = element offset of position s0 + t's K/V row (head offset `base`), t < n */
+static void slots_of(int64_t *rows, int64_t s0, int64_t n, const int32_t *table, int64_t block_size, int64_t head_dim, int64_t base) {
+    for (int64_t t = 0, blk = s0 / block_size, off = s0 % block_size; t < n; t++) {
+        rows[t] = base + ((int64_t)table[blk] * block_size + off) * head_dim;
+        if (++off == block_size) off = 0, blk++;
+    }
+}
+
 static inline __attribute__((always_inline)) void attend(
     const void *q, int64_t q_stride_b, int64_t q_stride_h, const void *k, const void *v, int64_t cache_stride_h,
     const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens, int64_t batch, int64_t num_heads,
@@ -583,6 +750,7 @@ static inline __attribute__((always_inline)) void attend(
     float *qf = acc + group * head_dim;    /* [group, head_dim] */
     float row_max[64], row_sum[64], split_max[64];
     int64_t *rows = (int64_t *)(qf + group * head_dim); /* [split] element offset of each K/V row */
+    int64_t *next_rows = rows + split;                   /* [split] the next sequence's first rows (prefetch) */
     for (int64_t b = 0; b < batch; b++) {
         const int32_t *table = block_tables + b * max_blocks;
         const int64_t ctx = context_lens[b];
@@ -597,10 +765,7 @@ static inline __attribute__((always_inline)) void attend(
             for (int64_t s0 = 0; s0 < ctx; s0 += split) {
                 const int64_t n = ctx - s0 < split ? ctx - s0 : split;
                 for (int64_t g = 0; g < group; g++) split_max[g] = -INFINITY;
-                for (int64_t t = 0, blk = s0 / block_size, off = s0 % block_size; t < n; t++) { /* slot of s0 + t */
-                    rows[t] = kvh * cache_stride_h + ((int64_t)table[blk] * block_size + off) * head_dim;
-                    if (++off == block_size) off = 0, blk++;
-                }
+                slots_of(rows, s0, n, table, block_size, head_dim, kvh * cache_stride_h);
                 if (bf16) {
                     const int64_t done = scores_bf16_dispatch(qf, (const uint16_t *)k, (const uint16_t *)v, rows, n, scale, scores, split, split_max, head_dim, group);
                     if (done < n) /* the generic loop for the rest: scores and rows from `done` on */
@@ -626,8 +791,15 @@ static inline __attribute__((always_inline)) void attend(
                         for (int64_t d = 0; d < head_dim; d++) acc[g * head_dim + d] *= correction;
                 }
                 if (bf16) {
-                    if (!pv_bf16_dispatch(scores, split, (const uint16_t *)v,
-                                          kvh + 1 < num_kv_heads ? (const uint16_t *)k + cache_stride_h : NULL, rows, n, acc, head_dim, group))
+                    next_keys next = {(const uint16_t *)k, next_rows, 0};
+                    if (s0 + split >= ctx) { /* the next round's keys: next head's first split, or next sequence's */
+                        const int64_t nb = kvh + 1 < num_kv_heads ? b : b + 1, nh = kvh + 1 < num_kv_heads ? kvh + 1 : 0;
+                        if (nb < batch) {
+                            next.n = context_lens[nb] < split ? context_lens[nb] : split;
+                            slots_of(next_rows, 0, next.n, block_tables + nb * max_blocks, block_size, head_dim, nh * cache_stride_h);
+                        }
+                    }
+                    if (!pv_bf16_dispatch(scores, split, (const uint16_t *)v, &next, rows, n, acc, head_dim, group))
                         pv_bf16(scores, split, (const uint16_t *)v, rows, n, acc, head_dim, group);
                 }
                 else if (!pv_dispatch(scores, split, (const float *)v, rows, n, acc, head_dim, group))
