@@ -43,6 +43,14 @@ def assert_all_blocks_free(engine: Engine) -> None:
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
 
 
+async def until_idle(engine: Engine, timeout_s: float = 2.0) -> None:
+    """Returns once the engine has no work (aborts are applied between steps), or at the deadline."""
+    for _ in range(int(timeout_s / 0.01)):
+        if not engine.scheduler.has_work():
+            return
+        await asyncio.sleep(0.01)
+
+
 def generate_all(engine: Engine, prompts, max_tokens: int) -> list[Sequence]:
     seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i, p in enumerate(prompts)]
     for seq in seqs:
@@ -139,14 +147,49 @@ def test_loop_streams_and_abort_frees_blocks():
         assert [t for c in chunks for t in c.token_ids] == short.token_ids[7:] and len(short.token_ids) == 12
         await asyncio.wait_for(long_queue.get(), timeout=30)
         loop.abort(long)
-        for _ in range(200):
-            if not engine.scheduler.has_work():
-                break
-            await asyncio.sleep(0.01)
+        await until_idle(engine)
 
     asyncio.run(main())
     loop.close()
     assert not engine.scheduler.has_work()
+    assert_all_blocks_free(engine)
+
+
+def test_submit_and_abort_never_wait_for_a_running_step():
+    """The event loop queues requests and aborts for the engine thread: with the engine's lock
+    held (as through a long prefill step) both return at once, and once the step ends the
+    request runs, or is dropped, with every block back."""
+    engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=64, block_size=4), EOS, 512)
+    loop = EngineLoop(engine)
+    step_running, step_done = threading.Event(), threading.Event()
+
+    def long_step():
+        with engine.lock:
+            step_running.set()
+            step_done.wait(30)
+
+    kept = Sequence("kept", random_prompts([7])[0], 7, SamplingParams(max_tokens=3, ignore_eos=True))
+    dropped = Sequence("dropped", random_prompts([9], seed=2)[0], 9, SamplingParams(max_tokens=200, ignore_eos=True))
+
+    async def main():
+        holder = threading.Thread(target=long_step)
+        holder.start()
+        step_running.wait(30)
+        kept_queue = loop.submit(kept)  # would block here until step_done if it took the lock
+        loop.submit(dropped)
+        loop.abort(dropped)
+        assert holder.is_alive() and not engine.scheduler.has_work()  # nothing reached the engine yet
+        step_done.set()
+        holder.join()
+        chunks = []
+        while not chunks or chunks[-1].finish_reason is None:
+            chunks.append(await asyncio.wait_for(kept_queue.get(), timeout=30))
+        assert [t for c in chunks for t in c.token_ids] == kept.token_ids[7:] and len(kept.token_ids) == 10
+        await until_idle(engine)
+
+    asyncio.run(main())
+    loop.close()
+    assert not engine.scheduler.has_work() and dropped.num_generated == 0
     assert_all_blocks_free(engine)
 
 

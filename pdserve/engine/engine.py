@@ -87,14 +87,19 @@ class Engine:
         self.busy_s = 0.0  # seconds spent in steps that ran a batch (autoscaling's busy fraction)
         self._publish_stats()
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a sequence. Raises InvalidRequestError if it could never fit in the KV pool."""
+    def check_fits(self, seq: Sequence) -> None:
+        """Raises InvalidRequestError if ``seq`` could never fit in the KV pool (no lock taken)."""
         max_tokens = seq.num_prompt_tokens + seq.params.max_tokens
         if self.block_manager.num_blocks_for(max_tokens) > self.block_manager.num_blocks:
             raise InvalidRequestError(
                 f"{max_tokens} tokens (prompt + max_tokens) exceed this worker's KV pool of "
                 f"{self.block_manager.num_blocks * self.config.block_size} tokens"
             )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (waits for a running step). Raises InvalidRequestError if it could
+        never fit in the KV pool."""
+        self.check_fits(seq)
         with self.lock:
             self.scheduler.add(seq)
             self._publish_stats()

@@ -1,8 +1,11 @@
 """EngineLoop: runs ``Engine.step()`` on its own thread and streams results to asyncio.
 
 Requests are submitted from the replica's event loop; each gets an asyncio.Queue
-of TokenChunk (or an exception). Aborts are queued and applied between steps,
-so the event loop never waits for a forward.
+of TokenChunk (or an exception). New requests and aborts are queued and applied
+between steps, so the event loop never waits for a forward (an engine add takes the
+engine's lock: done on the event loop, it held the replica up for a whole step, and a
+prefill replica given several long prompts answered cancels and releases only after
+all of them had been prefilled).
 
 A step that runs longer than ``max_step_s`` (a hung forward) fails the replica's Ray
 Serve health check, and every request waiting on this loop, and every new one, gets
@@ -42,8 +45,9 @@ class EngineLoop:
         self.max_step_s = max_step_s
         self._hang_file = os.environ.get(HANG_FILE_ENV)
         self._outputs: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._adds: list[Sequence] = []
         self._aborts: list[Sequence] = []
-        self._lock = threading.Lock()  # guards _aborts
+        self._lock = threading.Lock()  # guards _adds and _aborts
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._step_started: float | None = None  # monotonic time the running step began; None while idle
@@ -57,13 +61,11 @@ class EngineLoop:
         WorkerStalledError if a step is stuck.
         """
         self.raise_if_stalled()
+        self.engine.check_fits(seq)
         queue: asyncio.Queue = asyncio.Queue()
         self._outputs[seq.request_id] = (queue, asyncio.get_running_loop())
-        try:
-            self.engine.add(seq)
-        except Exception:
-            self._outputs.pop(seq.request_id, None)
-            raise
+        with self._lock:
+            self._adds.append(seq)  # the engine thread adds it before its next step
         self._wake.set()
         return queue
 
@@ -144,7 +146,14 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
+                adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+            for seq in adds:  # before the aborts: one may be for a request added in the same round
+                try:
+                    self.engine.add(seq)
+                except Exception as e:  # checked at submit; anything else fails this request alone
+                    self._emit(seq, e)
+                    self._outputs.pop(seq.request_id, None)
             for seq in aborts:
                 if seq.status is not SeqStatus.FINISHED:
                     self.engine.abort(seq)
