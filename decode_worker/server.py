@@ -73,7 +73,6 @@ class DecodeServer:
         self.tpot = LatencyWindow()  # seconds per output token after the first, for autoscaling on TPOT
         self.busy = BusyMeter()  # busy fraction between autoscaling reports
         self.metrics = PoolMetrics(pool, self.cfg.model.path, self._stats)
-        self._running: dict[str, asyncio.Queue] = {}  # request id -> its output queue, while it decodes here
         self._aborted: dict[str, float] = {}  # request id -> when an abort by id came (monotonic s)
         self.num_aborted_by_id = 0  # requests stopped by ``abort`` rather than by a cancelled call
 
@@ -188,7 +187,6 @@ class DecodeServer:
             self.engine.free_blocks(blocks)
             raise
         last = None
-        self._running[seq.request_id] = queue
         try:
             while True:
                 item = await self.loop.next_output(queue, self.pool_cfg.max_step_s + STEP_DEADLINE_S)
@@ -200,7 +198,6 @@ class DecodeServer:
                 if item.finish_reason is not None:
                     return
         finally:
-            self._running.pop(seq.request_id, None)
             self.loop.abort(seq)  # no-op once finished
 
     async def abort(self, request_id: str) -> bool:
@@ -214,11 +211,9 @@ class DecodeServer:
         for rid in [rid for rid, at in self._aborted.items() if now - at > ABORT_MEMORY_S]:
             del self._aborted[rid]
         self._aborted[request_id] = now
-        queue = self._running.get(request_id)
-        if queue is None:
+        if not self.loop.end_stream(request_id):  # _run yields the end and returns; its finally aborts the sequence
             return False
         self.num_aborted_by_id += 1
-        queue.put_nowait(TokenChunk([], "abort"))  # _run yields it and returns; its finally aborts the sequence
         return True
 
     async def _release_quietly(self, handle: KVHandle) -> None:

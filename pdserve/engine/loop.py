@@ -69,6 +69,17 @@ class EngineLoop:
         self._wake.set()
         return queue
 
+    def end_stream(self, request_id: str) -> bool:
+        """End a submitted request's stream now: its queue gets ``TokenChunk([], "abort")``, and
+        its reader (who must then call ``abort``) stops. Call from the event loop. Returns
+        False if no stream of that id is open here."""
+        target = self._outputs.get(request_id)
+        if target is None:
+            return False
+        queue, loop = target
+        loop.call_soon_threadsafe(queue.put_nowait, TokenChunk([], "abort"))
+        return True
+
     def abort(self, seq: Sequence) -> None:
         """Drop a request (client gone); its blocks are freed before the next step.
 
