@@ -168,8 +168,8 @@ def main() -> None:
     num_blocks = max(max(batches) * blocks_per_seq, -(-max(lengths) // 16)) + 8
     config = EngineConfig(num_blocks=num_blocks, max_num_seqs=max(batches), enable_prefix_caching=False)
     engine = Engine(model, config, frozenset(), 8192)
-    # the same weights, decode attention by gathering blocks + torch SDPA instead of the C kernel
-    gather = Engine(model, EngineConfig(**{**config.__dict__, "decode_kernel": False}), frozenset(), 8192)
+    # the same weights, attention by torch SDPA instead of pdserve's C kernels (decode: gathered blocks)
+    gather = Engine(model, EngineConfig(**{**config.__dict__, "decode_kernel": False, "prefill_kernel": False}), frozenset(), 8192)
     bytes_per_token = engine.kv_spec.bytes_per_token
     weights = weight_bytes(model)
 
@@ -187,14 +187,17 @@ def main() -> None:
     prefill = []
     for n in lengths:
         ours = pdserve_prefill(engine, n, args.repeats)
+        ours_sdpa = pdserve_prefill(gather, n, args.repeats) if engine.runner.prefill_kernel else ours
         hf = hf_prefill(reference, n, args.repeats)
         flops = prefill_flops(model, n)
         peak = hw["matmul_bf16_flops" if args.dtype == "bfloat16" else "matmul_fp32_flops"]
         prefill.append({
             "tokens": n, "pdserve_s": ours, "hf_eager_s": hf, "pdserve_tokens_per_s": n / ours, "hf_tokens_per_s": n / hf,
             "pdserve_flops": flops / ours, "fraction_of_matmul_peak": flops / ours / peak,
+            "pdserve_sdpa_s": ours_sdpa, "pdserve_sdpa_tokens_per_s": n / ours_sdpa, "sdpa_fraction_of_matmul_peak": flops / ours_sdpa / peak,
         })
-        print(f"prefill {n:5d} tokens: pdserve {n / ours:7.0f} tok/s ({flops / ours / peak:.0%} of matmul peak)  hf {n / hf:7.0f} tok/s", flush=True)
+        print(f"prefill {n:5d} tokens: pdserve {n / ours:7.0f} tok/s ({flops / ours / peak:.0%} of matmul peak)  "
+              f"(SDPA {n / ours_sdpa:7.0f} tok/s)  hf {n / hf:7.0f} tok/s", flush=True)
 
     # CPU only: the hooks time host calls, which on a GPU are asynchronous launches (and a
     # CUDA graph replay runs no hooks at all)
@@ -212,6 +215,7 @@ def main() -> None:
         ),
         "decode_b32_over_b1": by_batch[32]["pdserve_s"] / by_batch[1]["pdserve_s"] if 1 in by_batch and 32 in by_batch else None,
         "prefill_2048_fraction_of_matmul_peak": by_len.get(2048, {}).get("fraction_of_matmul_peak"),
+        "prefill_2048_sdpa_fraction_of_matmul_peak": by_len.get(2048, {}).get("sdpa_fraction_of_matmul_peak"),
     }
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "hardware": hw,
               "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "prefill": prefill, "breakdown": breakdown, "targets": targets}
@@ -233,9 +237,10 @@ def print_tables(result: dict) -> None:
     for d in result["decode"]:
         print(f"{d['batch']:>5} | {d['pdserve_s'] * 1e3:>10.1f} | {d['pdserve_gather_sdpa_s'] * 1e3:>14.1f} | "
               f"{d['hf_eager_s'] * 1e3:>11.1f} | {d['roofline_s'] * 1e3:>11.1f} | {d['pdserve_over_roofline']:>10.2f}")
-    print(f"\n{'tokens':>6} | {'pdserve tok/s':>13} | {'HF eager tok/s':>14} | {'of matmul peak':>14}")
+    print(f"\n{'tokens':>6} | {'pdserve tok/s':>13} | {'SDPA tok/s':>10} | {'HF eager tok/s':>14} | {'of matmul peak':>14}")
     for p in result["prefill"]:
-        print(f"{p['tokens']:>6} | {p['pdserve_tokens_per_s']:>13.0f} | {p['hf_tokens_per_s']:>14.0f} | {p['fraction_of_matmul_peak']:>14.0%}")
+        print(f"{p['tokens']:>6} | {p['pdserve_tokens_per_s']:>13.0f} | {p['pdserve_sdpa_tokens_per_s']:>10.0f} | "
+              f"{p['hf_tokens_per_s']:>14.0f} | {p['fraction_of_matmul_peak']:>14.0%}")
     print(f"\n{'per forward':<13} | {'total ms':>8} | {'linear ms':>9} | {'attention ms':>12} | {'other ms':>8} | rates")
     for name, b in result["breakdown"].items():
         rates = f"linear {b['linear_flops_per_s'] / 1e9:.0f} GFLOP/s ({b['linear_fraction_of_matmul_peak']:.0%} of matmul peak)"
@@ -262,6 +267,7 @@ def plot(result: dict, path: Path) -> None:
     a.legend()
     p = result["prefill"]
     b.plot([x["tokens"] for x in p], [x["pdserve_tokens_per_s"] for x in p], "o-", label="pdserve")
+    b.plot([x["tokens"] for x in p], [x["pdserve_sdpa_tokens_per_s"] for x in p], "^-", label="pdserve, torch SDPA")
     b.plot([x["tokens"] for x in p], [x["hf_tokens_per_s"] for x in p], "s--", label="HF eager")
     b.set(xscale="log", xlabel="prompt tokens", ylabel="tokens/s", title="prefill")
     for axis, xs in ((a, [x["batch"] for x in d]), (b, [x["tokens"] for x in p])):  # plain ticks at the measured points

@@ -64,7 +64,7 @@ def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str) 
         num_blocks=num_blocks, block_size=pool.block_size, max_num_seqs=pool.max_num_seqs,
         max_num_batched_tokens=pool.max_num_batched_tokens, chunk_size=pool.chunk_size,
         enable_prefix_caching=pool.enable_prefix_caching, optimize=pool.optimize,
-        decode_kernel=pool.decode_kernel,
+        decode_kernel=pool.decode_kernel, prefill_kernel=pool.prefill_kernel,
     )
 
 

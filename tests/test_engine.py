@@ -298,11 +298,49 @@ def test_paged_decode_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim):
         if dtype == torch.float32:
             torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
         elif AVX512:  # torch's bf16 operations and summation orders, as measured on an AVX-512 CPU:
-            # equal bit for bit (~1 in 100,000 outputs on the real model differ by one bf16 step, none here)
+            # equal bit for bit (~1 in 1,000,000 outputs on the real model differ by one bf16 step, none here)
             assert torch.equal(got[b], want), (got[b] != want).sum()
         else:  # torch vectorizes otherwise elsewhere: within a bf16 step or so
             diff = (got[b].float() - want.float()).abs()
             assert (diff <= want.float().abs() * 2**-6 + 2**-10).all(), diff.max()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (4, 2, 128)])
+def test_prefill_kernel_equals_torch_sdpa_bit_for_bit(heads, kv_heads, head_dim):
+    """The C prompt-attention kernel gives torch SDPA's bf16 outputs exactly: whole prompts whose
+    lengths hit every case of torch's blocking (query blocks of 32/64/256 rows and tails of 1, 2,
+    3 rows; key splits of 512 with pieces of up to 192, two halves, 192s; exp tails), and chunks
+    after cached tokens read from scattered pool slots, as attention.py calls both."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from pdserve.engine import paged_prefill
+
+    if not paged_prefill.supports(torch.bfloat16, torch.device("cpu"), head_dim):
+        pytest.skip("needs AVX512-BF16 and a C compiler: elsewhere prompts go through torch SDPA")
+
+    class Module:  # what transformers' SDPA function reads off an attention layer
+        is_causal, training, num_key_value_groups = True, False, heads // kv_heads
+
+    torch.manual_seed(0)
+    scale = head_dim**-0.5
+    for n in [1, 2, 3, 5, 33, 34, 35, 193, 259, 386, 450, 770, 1027]:  # whole prompts
+        qkv = torch.randn(1, n, heads + 2 * kv_heads, head_dim).bfloat16() * 2  # packed as a layer's projections
+        q, k, v = (x.transpose(1, 2) for x in qkv.split([heads, kv_heads, kv_heads], dim=2))  # strided views
+        want, _ = sdpa_attention_forward(Module(), q, k, v, None, dropout=0.0, scaling=scale, is_causal=n > 1)
+        got = paged_prefill.prefill_attention(q[0], k[0], v[0], torch.arange(n), scale)
+        assert torch.equal(got, want[0]), (n, (got != want[0]).sum())
+    num_slots = 3200
+    k_cache = torch.randn(kv_heads, num_slots, head_dim).bfloat16()
+    v_cache = torch.randn(kv_heads, num_slots, head_dim).bfloat16()
+    for num_ctx, num_new in [(300, 1), (300, 5), (1000, 488), (3000, 256), (1500, 17), (770, 2)]:  # chunks after cached tokens
+        slots = torch.randperm(num_slots)[:num_ctx]
+        q = (torch.randn(heads, num_new, head_dim) * 2).bfloat16()
+        offset = num_ctx - num_new
+        mask = (torch.arange(num_new)[:, None] + offset >= torch.arange(num_ctx)[None, :]).view(1, 1, num_new, num_ctx)
+        want, _ = sdpa_attention_forward(Module(), q[None], k_cache[:, slots][None], v_cache[:, slots][None],
+                                         None if num_new == 1 else mask, dropout=0.0, scaling=scale, is_causal=False)
+        got = paged_prefill.prefill_attention(q, k_cache, v_cache, slots, scale)
+        assert torch.equal(got, want[0]), (num_ctx, num_new, (got != want[0]).sum())
 
 
 @pytest.mark.parametrize("in_features,out_features", [(1536, 576), (576, 1536), (576, 192), (64, 32)])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import reference_generate
+from pdserve.engine import paged_prefill
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.model_loader import load_model, load_tokenizer
 from pdserve.worker import eos_token_ids
@@ -93,8 +94,8 @@ def test_bfloat16_batched_differs_only_at_near_ties(real):
 
 
 def test_bfloat16_batched_decode_equals_the_reference_token_for_token(real):
-    """With the defaults on an AVX512-BF16 CPU (the decode-attention kernel rounding as torch's
-    flash attention, decode rows of the linear layers summed as oneDNN sums a lone row), 12
+    """With the defaults on an AVX512-BF16 CPU (the prompt- and decode-attention kernels rounding as
+    torch's flash attention, decode rows of the linear layers summed as oneDNN sums a lone row), 12
     prompts of 1-620 tokens decoded together give exactly the reference's greedy tokens."""
     from pdserve.engine import exact_gemv
 
@@ -105,6 +106,7 @@ def test_bfloat16_batched_decode_equals_the_reference_token_for_token(real):
     prompts = [ids[i * 37 : i * 37 + n] for i, n in enumerate(lengths)]
     engine = engine_for(model_dir, "bfloat16", num_blocks=256)
     assert engine.runner.decode_kernel
+    assert engine.runner.prefill_kernel == paged_prefill.supports(torch.bfloat16, torch.device("cpu"), 64)  # prompts too, where it runs
     seqs = generate_all(engine, prompts, 24)
     reference = load_model(model_dir, "bfloat16")
     for seq, prompt in zip(seqs, prompts):

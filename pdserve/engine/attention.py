@@ -5,8 +5,9 @@ attention layer calls ``paged_attention`` with the step's packed queries and new
 keys/values. It stores the new K/V into their slots of the paged pool, gathers each
 sequence's context from its blocks and attends over it:
 
-- prefill chunks go through transformers' own SDPA function, so the numerics match
-  the reference ``model.generate`` path;
+- prefill chunks go through pdserve's C kernel where it runs (bf16, AVX512-BF16;
+  ``paged_prefill.py``, rounded as torch's flash attention), else transformers' own SDPA
+  function, so the numerics match the reference ``model.generate`` path;
 - decode steps (one query per sequence) run pdserve's C kernel over the blocks in place
   (``paged_decode.py``, numerics of torch's flash attention); with the kernel off or
   unavailable they gather their blocks into one padded batch for a single SDPA call.
@@ -26,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pdserve.engine.kv_cache import PagedKVCache, block_rows
 from pdserve.engine.paged_decode import paged_decode_attention
+from pdserve.engine.paged_prefill import prefill_attention
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -37,6 +39,7 @@ class AttentionContext:
     query_starts: list[int]  # [num_seqs + 1] offsets of each sequence's new tokens
     context_lens: list[int]  # [num_seqs] tokens of context (cached + new) per sequence
     context_slots: list[torch.Tensor]  # per sequence: [context_len] slots of its whole context
+    prefill_kernel: bool = False  # prompt chunks by pdserve's C kernel (paged_prefill.py), not SDPA
     # decode-only steps (one new token per sequence):
     decode_block_ids: torch.Tensor | None = None  # [num_seqs * max_blocks] block tables, padded
     decode_mask: torch.Tensor | None = None  # [num_seqs, max_blocks * block_size] bool, True = attend; None = one sequence, sliced
@@ -142,6 +145,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     for i, slots in enumerate(ctx.context_slots):
         start, end = ctx.query_starts[i], ctx.query_starts[i + 1]
         num_new, num_ctx = end - start, ctx.context_lens[i]
+        if ctx.prefill_kernel:  # whole prompt: its own K/V; a later chunk: the context's slots of the pool
+            k, v, rows = (key[0, :, start:end], value[0, :, start:end], torch.arange(num_new)) if num_new == num_ctx else (k_cache, v_cache, slots)
+            if k.stride() != v.stride():
+                k, v = k.contiguous(), v.contiguous()
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            outs.append(prefill_attention(query[0, :, start:end], k, v, rows, scale).unsqueeze(0))  # [1, num_new, heads, head_dim]
+            continue
         q = query[:, :, start:end]  # [1, heads, num_new, head_dim]
         if num_new == num_ctx:  # a whole prompt: its K/V are this forward's (SDPA gives the same bits for the strided view)
             k, v = key[:, :, start:end], value[:, :, start:end]  # [1, kv_heads, num_ctx, head_dim]

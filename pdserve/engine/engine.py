@@ -40,13 +40,17 @@ class EngineConfig:
     optimize: bool = True
     # decode attention by pdserve's C kernel, reading KV in place from the blocks: 1.3-1.4x
     # faster decode steps at batch 1 and 32 here. In bf16 it rounds as torch's flash attention
-    # does (kernels/paged_attention.c; ~1 in 130,000 outputs one bf16 step off), and with the
+    # does (kernels/paged_attention.c; ~1 in 1,000,000 outputs one bf16 step off), and with the
     # decode rows' exact GEMV (exact_gemv.py, part of ``optimize``) a batched bf16 step gives
     # each sequence the reference's tokens. In float32 it sums in its own order (within float32
     # rounding of torch's; 2-3x faster than gather + masked SDPA at batch 32 on an AVX2 core).
     # None = on where it runs (a CPU with a C compiler); False = gather + torch SDPA, the
     # reference's own call for one sequence.
     decode_kernel: bool | None = None
+    # causal prompt attention by pdserve's C kernel (kernels/prefill_attention.c): bf16 on a CPU
+    # with AVX512-BF16, rounded as torch's flash attention bit for bit, 2.5-3x faster than torch's
+    # SDPA there. None or True = on where it runs; False = torch SDPA.
+    prefill_kernel: bool | None = None
     # decode steps replayed from CUDA graphs (cuda_graphs.py; takes the pool's last block as
     # padding scratch). None = on where the model is on a GPU and ``optimize`` is on. True on
     # the CPU runs the same padded static-shape steps eagerly (what the CPU tests check).
@@ -80,7 +84,8 @@ class Engine:
         graphs = None
         if use_graphs:
             graphs = DecodeGraphs(model, self.kv_cache, config.num_blocks - 1, config.max_num_seqs, max_model_len, capture=device.type == "cuda")
-        self.runner = PagedModelRunner(model, self.kv_cache, decode_kernel=config.decode_kernel, graphs=graphs)
+        self.runner = PagedModelRunner(model, self.kv_cache, decode_kernel=config.decode_kernel, graphs=graphs,
+                                       prefill_kernel=config.prefill_kernel)
         self.lock = threading.RLock()  # guards the scheduler and block manager
         self.num_steps = 0
         self.num_tokens_computed = 0

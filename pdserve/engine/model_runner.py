@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine import paged_decode
+from pdserve.engine import paged_decode, paged_prefill
 from pdserve.engine.attention import ATTN_IMPLEMENTATION, AttentionContext, set_context
 from pdserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureFailed
 from pdserve.engine.kv_cache import PagedKVCache
@@ -17,8 +17,10 @@ from pdserve.engine.sequence import Sequence
 
 
 class PagedModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool | None = None, graphs: DecodeGraphs | None = None):
-        """``decode_kernel``: None = on where it runs (CPU, bf16 or float32); ``graphs``: run the
+    def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool | None = None, graphs: DecodeGraphs | None = None,
+                 prefill_kernel: bool | None = None):
+        """``decode_kernel``: None = on where it runs (CPU, bf16 or float32); ``prefill_kernel``:
+        None or True = on where it runs (bf16, AVX512-BF16), False = torch SDPA; ``graphs``: run the
         decode steps they can take from CUDA graphs (cuda_graphs.py)."""
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
@@ -26,6 +28,7 @@ class PagedModelRunner:
         self.device = next(model.parameters()).device
         # decode attention in place over the blocks (C kernel) where it runs; else gather + SDPA
         self.decode_kernel = decode_kernel is not False and paged_decode.supports(kv_cache.spec.dtype, self.device)
+        self.prefill_kernel = prefill_kernel is not False and paged_prefill.supports(kv_cache.spec.dtype, self.device, kv_cache.spec.head_dim)
         self.graphs = graphs
 
     def _context(self, batch: list[tuple[Sequence, int]]) -> tuple[AttentionContext, list[int], list[int]]:
@@ -41,7 +44,8 @@ class PagedModelRunner:
                 context_slots.append(slots)  # [end]
             query_starts.append(query_starts[-1] + num_new)
             context_lens.append(end)
-        ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots)
+        ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots,
+                               prefill_kernel=self.prefill_kernel)
         # tokens the reference computes alone: generated ones, and a one-token prompt
         gemv_rows = [query_starts[i] for i, (seq, n) in enumerate(batch)
                      if n == 1 and (seq.num_computed_tokens >= seq.num_prompt_tokens or seq.num_prompt_tokens == 1)]

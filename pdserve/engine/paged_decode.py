@@ -4,7 +4,7 @@ One query token per sequence. Each sequence's keys and values are read in place 
 its blocks (no gather copy), and each K/V row is loaded once for all the query heads
 that share it. Numerics follow torch's CPU flash attention (see kernels/paged_attention.c):
 in bf16 its exp and summation orders too, so outputs equal torch's bit for bit but for ~1 in
-100,000 elements (one bf16 step apart); in float32, up to float32 summation order.
+1,000,000 elements (one bf16 step apart); in float32, up to float32 summation order.
 """
 
 from __future__ import annotations

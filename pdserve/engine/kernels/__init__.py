@@ -3,10 +3,12 @@
 - ``paged_attention.c``: decode attention over KV blocks in place (engine/paged_decode.py).
 - ``kv_blocks.c``: block copies and checksums for the shm KV transfer backend.
 - ``bf16_gemv.c``: batched bf16 GEMVs summed as oneDNN sums one row (engine/exact_gemv.py).
+- ``prefill_attention.c``: causal prompt attention in bf16 as torch rounds it (engine/prefill_attention.py).
+- ``torch_numerics.h``: torch's bf16 rounding and fexp_u20, shared by the attention kernels.
 
 Each is built with the system C compiler (``cc -O3 -march=native``) into
 ``~/.cache/pdserve/kernels/`` (``PDSERVE_CACHE_DIR`` moves it), keyed by a hash of the
-source, the compiler and this CPU's flags, under a file lock so concurrent workers build
+source, the headers here, the compiler and this CPU's flags, under a file lock so concurrent workers build
 it once. No torch headers are involved: a build takes about a second. Where no compiler
 is found or the build fails, ``load()`` returns None and callers fall back (a warning
 says why).
@@ -39,6 +41,12 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
         "bf16_gemv_rows": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr]),
         "bf16_dot_peak_probe": (ctypes.c_float, [_i64]),
     },
+    "prefill_attention": {
+        "prefill_attention_available": (ctypes.c_int, []),
+        "prefill_attention_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                                  ctypes.c_float, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr]),
+        "prefill_attention_scratch_bytes": (_i64, [_i64, _i64, _i64]),
+    },
     "kv_blocks": {
         "kv_checksum_blocks": (_u64, [_ptr, _i64, _i64, _ptr, _i64, _i64, _u64]),
         "kv_copy_blocks_checksum": (_u64, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _u64]),
@@ -59,7 +67,8 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str, name: str) -> Path:
     source = Path(__file__).with_name(f"{name}.c")
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"{name}-{key}.so"

@@ -16,10 +16,11 @@
  * the storage dtype before P @ V, which accumulates in float32; output = acc * (1 / sum), rounded
  * once. For bf16 the kernel also follows torch 2.13's operations bit for bit, as measured on this
  * CPU with probes whose sums cancel only in one order: its exp (fexp_u20, not exp_u20), the
- * four-chain order of q.k (scores_bf16) and the groups of four rows of P @ V (pv_bf16). On the
- * real model 7.6e-6 of the outputs still differ from torch's by one bf16 step; torch's own
- * result for a head can change with the call's layout (2 of 15 such cases did). float32 keeps
- * its own order (results within float32 rounding of torch's).
+ * four-chain order of q.k (scores_bf16), the groups of four rows of P @ V (pv_bf16) and the sum
+ * of exps in two accumulators over alternate 16-key pieces (exp_and_sum). On the real model 3 of
+ * 3.3 million outputs (8 prompts of 17-2,000 tokens, 25 steps) still differ from torch's by one
+ * bf16 step (24 with one accumulator); torch's own result for a head can change with the call's
+ * layout. float32 keeps its own order (results within float32 rounding of torch's).
  *
  * Speed: both dtypes have loops specialised for common (head_dim, group) pairs with their
  * accumulators in registers (FAST_CASES, BF16_CASES), and K/V rows, scattered over blocks, are
@@ -35,22 +36,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "torch_numerics.h"
+
 #define LANES 16 /* independent partial sums: lets the compiler vectorize without -ffast-math */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -119,27 +107,7 @@ static inline float exp_like_torch(float x) {
     return underflow ? 0.f : p * pow2 * 2.f;
 }
 
-#ifdef __AVX512F__
-/* exp(x) as torch's flash attention computes it for bf16/fp16 outputs (Vectorized<float>::fexp_u20
- * in aten/src/ATen/cpu/vec/vec512/vec512_float.h; Malossi et al., "Fast Exponential Computation
- * on SIMD Architectures", 2015): 2^(x log2 e) with the fraction's 2^f corrected by a cubic and
- * written straight into the float's bits. Note fexp(0) = 0.99989 (bits 0x3f7ffc80), not 1. */
-static inline __m512 fexp_u20(__m512 x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50)), _CMP_LT_OS);
-    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218)), _CMP_GT_OS);
-    __m512 src = _mm512_mul_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b))); /* x log2(e) */
-    const __m512 frac = _mm512_sub_ps(src, _mm512_floor_ps(src));
-    __m512 c = _mm512_fmadd_ps(frac, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
-    c = _mm512_fmadd_ps(frac, c, _mm512_set1_ps(0.30354260500649682f));
-    c = _mm512_fmadd_ps(frac, c, _mm512_set1_ps(0.00010703434948458272f));
-    src = _mm512_sub_ps(src, c);
-    __m512i bits = _mm512_cvttps_epi32(_mm512_fmadd_ps(_mm512_set1_ps(8388608.f), src, _mm512_set1_ps(8388608.f * 127.f)));
-    bits = _mm512_mask_mov_epi32(bits, under, _mm512_setzero_si512());
-    bits = _mm512_mask_mov_epi32(bits, over, _mm512_set1_epi32(0x7f800000));
-    return _mm512_castsi512_ps(bits);
-}
 
-#endif
 
 /* float32 fast loops on 16-lane (AVX-512) or 8-lane (AVX2 + FMA) vectors. bf16 never takes
  * them: its loops (scores_bf16, pv_bf16) follow torch's summation order instead. */
@@ -675,12 +643,15 @@ static float exp_and_sum(float *sc, int64_t n, float max, int bf16) {
 #ifdef __AVX512F__
     const __m512 vmax = _mm512_set1_ps(max), lo = _mm512_set1_ps(-87.33654475f), hi = _mm512_set1_ps(88.72283936f);
     __m512 acc = _mm512_setzero_ps();
-    if (bf16) {
+    if (bf16) { /* two accumulators over alternate 16-key pieces, as torch 2.13 (prefill_attention.c) */
+        __m512 acc1 = _mm512_setzero_ps();
         for (int64_t t = 0; t < body; t += 16) {
             const __m512 y = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(sc + t), vmax));
-            acc = _mm512_add_ps(acc, y);
+            if ((t / 16) % 2) acc1 = _mm512_add_ps(acc1, y);
+            else acc = _mm512_add_ps(acc, y);
             _mm512_storeu_ps(sc + t, y);
         }
+        acc = _mm512_add_ps(acc, acc1);
     } else
     for (int64_t t = 0; t < body; t += 16) {
         const __m512 x0 = _mm512_sub_ps(_mm512_loadu_ps(sc + t), vmax);
