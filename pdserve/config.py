@@ -97,8 +97,9 @@ class PoolConfig:
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
     enable_prefix_caching: bool = True
     optimize: bool = True  # CPU: packed oneDNN bf16 weights, C heap kept (bit-identical); GPU: CUDA graphs for decode
-    # C paged decode attention over blocks in place (faster; see engine.py); null = on where it
-    # rounds as the reference does (bf16 on a CPU), true/false = always/never
+    # C paged decode attention over blocks in place (faster; see engine.py); null or true = on
+    # where it runs (a CPU with a C compiler: bf16 rounds as the reference, float32 in its own
+    # order), false = gather + torch SDPA
     decode_kernel: bool | None = None
     # C causal prompt attention (bf16 with AVX512-BF16; rounds as torch's flash attention bit
     # for bit, 2.5-3x faster); null or true = on where it runs, false = never (torch SDPA)
@@ -249,7 +250,7 @@ class ClusterConfig:
                 if not isinstance(getattr(pool, key), bool):
                     raise ConfigError(f"{name}.{key} must be true or false, not {getattr(pool, key)!r}")
             for key in ("decode_kernel", "prefill_kernel"):
-                if getattr(pool, key) not in (None, True, False):
+                if getattr(pool, key) is not None and not isinstance(getattr(pool, key), bool):  # 0 == False, but is no switch
                     raise ConfigError(f"{name}.{key} must be null (auto), true or false, not {getattr(pool, key)!r}")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
                 raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")

@@ -35,6 +35,8 @@ def test_pools_are_configured_independently():
         ({"prefill": {"autoscaling_policy": {"metric": "tpot"}}}, "prefill.autoscaling_policy.metric must be one of queued_tokens, ttft"),
         ({"decode": {"autoscaling_policy": {"target_runing": 4}}}, "decode.autoscaling_policy: unknown key 'target_runing'"),
         ({"decode": {"autoscaling_policy": {"target_kv_usage": 0}}}, "decode.autoscaling_policy.target_kv_usage must be > 0"),
+        ({"prefill": {"prefill_kernel": "yes"}}, "prefill.prefill_kernel must be null \\(auto\\), true or false, not 'yes'"),
+        ({"decode": {"decode_kernel": 0}}, "decode.decode_kernel must be null \\(auto\\), true or false, not 0"),  # 0 == False, no switch
     ],
 )
 def test_bad_config_names_the_key(raw, message):

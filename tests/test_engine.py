@@ -309,8 +309,10 @@ def test_paged_decode_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim):
 def test_prefill_kernel_equals_torch_sdpa_bit_for_bit(heads, kv_heads, head_dim):
     """The C prompt-attention kernel gives torch SDPA's bf16 outputs exactly: whole prompts whose
     lengths hit every case of torch's blocking (query blocks of 32/64/256 rows and tails of 1, 2,
-    3 rows; key splits of 512 with pieces of up to 192, two halves, 192s; exp tails), and chunks
-    after cached tokens read from scattered pool slots, as attention.py calls both."""
+    3 rows; key splits of 512 with pieces of up to 192, two halves, 192s; exp tails), chunks
+    after cached tokens read from scattered pool slots (as torch's masked call on the chunk),
+    and chunks of a prompt given its length (as one causal call over the whole prompt, the
+    reference's, which attention.py asks for)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from pdserve.engine import paged_prefill
@@ -341,6 +343,14 @@ def test_prefill_kernel_equals_torch_sdpa_bit_for_bit(heads, kv_heads, head_dim)
                                          None if num_new == 1 else mask, dropout=0.0, scaling=scale, is_causal=False)
         got = paged_prefill.prefill_attention(q, k_cache, v_cache, slots, scale)
         assert torch.equal(got, want[0]), (num_ctx, num_new, (got != want[0]).sum())
+    for n, chunk in [(3000, 256), (2050, 256), (771, 100), (450, 97), (66, 7)]:  # chunks of a prompt: as one call over it
+        qkv = torch.randn(1, n, heads + 2 * kv_heads, head_dim).bfloat16() * 2
+        q, k, v = (x.transpose(1, 2) for x in qkv.split([heads, kv_heads, kv_heads], dim=2))
+        want, _ = sdpa_attention_forward(Module(), q, k, v, None, dropout=0.0, scaling=scale, is_causal=True)
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            got = paged_prefill.prefill_attention(q[0, :, start:end], k[0, :, :end], v[0, :, :end], torch.arange(end), scale, prompt_len=n)
+            assert torch.equal(got, want[0, start:end]), (n, start, (got != want[0, start:end]).sum())
 
 
 @pytest.mark.parametrize("in_features,out_features", [(1536, 576), (576, 1536), (576, 192), (64, 32)])

@@ -15,9 +15,11 @@ import torch
 from conftest import reference_generate
 from pdserve.engine import paged_prefill
 from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.sequence import Sequence
 from pdserve.model_loader import load_model, load_tokenizer
+from pdserve.sampling import SamplingParams
 from pdserve.worker import eos_token_ids
-from test_engine import assert_all_blocks_free, generate_all
+from test_engine import assert_all_blocks_free, generate_all, run_to_completion
 
 TEXT = (
     "Rivers shape the land they cross. Over thousands of years a river cuts valleys, carries silt "
@@ -111,6 +113,38 @@ def test_bfloat16_batched_decode_equals_the_reference_token_for_token(real):
     reference = load_model(model_dir, "bfloat16")
     for seq, prompt in zip(seqs, prompts):
         assert seq.token_ids[len(prompt):] == reference_generate(reference, prompt, 24, ignore_eos=True), len(prompt)
+    assert_all_blocks_free(engine)
+
+
+def test_bfloat16_chunked_prefill_and_prefix_hit_equal_the_reference(real):
+    """With the prompt kernel, bf16 is exact where torch SDPA was not: a 3,000-token prompt
+    prefilled in chunks of 256 leaves the reference's KV in the pool bit for bit (each chunk's
+    attention rounds as the reference's one causal call over the whole prompt; with masked SDPA
+    per chunk ~2/3 of the KV differed), and it, then the same prompt again (the rest of a
+    prefix-cache hit), give the reference's greedy tokens."""
+    from pdserve.engine import exact_gemv
+
+    if not (exact_gemv.available() and paged_prefill.supports(torch.bfloat16, torch.device("cpu"), 64)):
+        pytest.skip("needs AVX512-BF16 and a C compiler: elsewhere chunks go through torch's masked SDPA")
+    model_dir, _, ids = real
+    prompt = ids[:3000]
+    engine = engine_for(model_dir, "bfloat16", num_blocks=256, chunk_size=256, max_num_batched_tokens=256)
+    reference = load_model(model_dir, "bfloat16")
+    with torch.inference_mode():
+        cache = reference(torch.tensor([prompt]), use_cache=True).past_key_values
+    first = Sequence("first", list(prompt), 3000, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add(first)
+    for _ in range(3000 // 256 + 1):  # the 12 prefill chunks
+        engine.step()
+    slots = engine.kv_cache.slots(first.block_table, 0, 3000)
+    for layer in range(len(cache.layers)):  # [kv_heads, 3000, head_dim] each
+        assert torch.equal(engine.kv_cache.k[layer][:, slots], cache.layers[layer].keys[0]), layer
+        assert torch.equal(engine.kv_cache.v[layer][:, slots], cache.layers[layer].values[0]), layer
+    run_to_completion(engine)
+    second = generate_all(engine, [prompt], 8)[0]
+    assert second.num_cached_tokens == 2992  # 187 full blocks of 16 from the first
+    want = reference_generate(reference, prompt, 8, ignore_eos=True)
+    assert first.token_ids[3000:] == want and second.token_ids[3000:] == want
     assert_all_blocks_free(engine)
 
 

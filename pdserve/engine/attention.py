@@ -6,8 +6,10 @@ keys/values. It stores the new K/V into their slots of the paged pool, gathers e
 sequence's context from its blocks and attends over it:
 
 - prefill chunks go through pdserve's C kernel where it runs (bf16, AVX512-BF16;
-  ``paged_prefill.py``, rounded as torch's flash attention), else transformers' own SDPA
-  function, so the numerics match the reference ``model.generate`` path;
+  ``paged_prefill.py``), rounded as the reference's one causal SDPA call over the whole
+  prompt, even for a later chunk or the rest of a prefix-cache hit; else through
+  transformers' own SDPA function (a whole prompt: the reference's call; a later chunk: a
+  masked call, which rounds otherwise);
 - decode steps (one query per sequence) run pdserve's C kernel over the blocks in place
   (``paged_decode.py``, numerics of torch's flash attention); with the kernel off or
   unavailable they gather their blocks into one padded batch for a single SDPA call.
@@ -40,6 +42,9 @@ class AttentionContext:
     context_lens: list[int]  # [num_seqs] tokens of context (cached + new) per sequence
     context_slots: list[torch.Tensor]  # per sequence: [context_len] slots of its whole context
     prefill_kernel: bool = False  # prompt chunks by pdserve's C kernel (paged_prefill.py), not SDPA
+    # per sequence: tokens of the prompt being prefilled; the kernel rounds a chunk as the one
+    # causal call over the whole prompt that the reference makes
+    prompt_lens: list[int] | None = None
     # decode-only steps (one new token per sequence):
     decode_block_ids: torch.Tensor | None = None  # [num_seqs * max_blocks] block tables, padded
     decode_mask: torch.Tensor | None = None  # [num_seqs, max_blocks * block_size] bool, True = attend; None = one sequence, sliced
@@ -150,7 +155,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             if k.stride() != v.stride():
                 k, v = k.contiguous(), v.contiguous()
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            outs.append(prefill_attention(query[0, :, start:end], k, v, rows, scale).unsqueeze(0))  # [1, num_new, heads, head_dim]
+            prompt_len = ctx.prompt_lens[i] if ctx.prompt_lens else None
+            outs.append(prefill_attention(query[0, :, start:end], k, v, rows, scale, prompt_len).unsqueeze(0))  # [1, num_new, heads, head_dim]
             continue
         q = query[:, :, start:end]  # [1, heads, num_new, head_dim]
         if num_new == num_ctx:  # a whole prompt: its K/V are this forward's (SDPA gives the same bits for the strided view)

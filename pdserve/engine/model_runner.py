@@ -7,6 +7,8 @@ attention reads each sequence's context from the paged pool.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pdserve.engine import paged_decode, paged_prefill
@@ -15,6 +17,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureFailed
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.sequence import Sequence
 
+logger = logging.getLogger(__name__)
 
 class PagedModelRunner:
     def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool | None = None, graphs: DecodeGraphs | None = None,
@@ -29,10 +32,14 @@ class PagedModelRunner:
         # decode attention in place over the blocks (C kernel) where it runs; else gather + SDPA
         self.decode_kernel = decode_kernel is not False and paged_decode.supports(kv_cache.spec.dtype, self.device)
         self.prefill_kernel = prefill_kernel is not False and paged_prefill.supports(kv_cache.spec.dtype, self.device, kv_cache.spec.head_dim)
+        for name, asked, on in (("decode_kernel", decode_kernel, self.decode_kernel), ("prefill_kernel", prefill_kernel, self.prefill_kernel)):
+            if asked is True and not on:  # true means "where it runs": say so when it does not
+                logger.warning("pdserve: %s is true but it cannot run here (%s on %s); using torch SDPA",
+                               name, kv_cache.spec.dtype, self.device)
         self.graphs = graphs
 
     def _context(self, batch: list[tuple[Sequence, int]]) -> tuple[AttentionContext, list[int], list[int]]:
-        input_ids, positions, new_slots, context_slots, query_starts, context_lens = [], [], [], [], [0], []
+        input_ids, positions, new_slots, context_slots, query_starts, context_lens, prompt_lens = [], [], [], [], [0], [], []
         decode_only = all(num_new == 1 for _, num_new in batch)
         for seq, num_new in batch:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -44,8 +51,9 @@ class PagedModelRunner:
                 context_slots.append(slots)  # [end]
             query_starts.append(query_starts[-1] + num_new)
             context_lens.append(end)
+            prompt_lens.append(max(seq.num_prompt_tokens, end))  # a recompute's prompt includes its generated tokens
         ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots,
-                               prefill_kernel=self.prefill_kernel)
+                               prefill_kernel=self.prefill_kernel, prompt_lens=prompt_lens)
         # tokens the reference computes alone: generated ones, and a one-token prompt
         gemv_rows = [query_starts[i] for i, (seq, n) in enumerate(batch)
                      if n == 1 and (seq.num_computed_tokens >= seq.num_prompt_tokens or seq.num_prompt_tokens == 1)]

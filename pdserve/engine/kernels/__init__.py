@@ -7,7 +7,7 @@
 - ``torch_numerics.h``: torch's bf16 rounding and fexp_u20, shared by the attention kernels.
 
 Each is built with the system C compiler (``cc -O3 -march=native``) into
-``~/.cache/pdserve/kernels/`` (``PDSERVE_CACHE_DIR`` moves it), keyed by a hash of the
+``~/.cache/pdserve/kernels/`` (``$PDSERVE_CACHE/kernels`` where set, as the model cache), keyed by a hash of the
 source, the headers here, the compiler and this CPU's flags, under a file lock so concurrent workers build
 it once. No torch headers are involved: a build takes about a second. Where no compiler
 is found or the build fails, ``load()`` returns None and callers fall back (a warning
@@ -43,7 +43,7 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
     },
     "prefill_attention": {
         "prefill_attention_available": (ctypes.c_int, []),
-        "prefill_attention_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
+        "prefill_attention_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                                                   ctypes.c_float, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr]),
         "prefill_attention_scratch_bytes": (_i64, [_i64, _i64, _i64]),
     },
@@ -69,7 +69,7 @@ def _build(compiler: str, name: str) -> Path:
     source = Path(__file__).with_name(f"{name}.c")
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
+    cache = Path(os.environ.get("PDSERVE_CACHE") or os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve") / "kernels"
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"{name}-{key}.so"
     with open(cache / f"{target.name}.lock", "w") as lock:

@@ -6,7 +6,10 @@
  *   k, v: per kv head h, key position t: k + h * kv_stride_head + rows[t] (head_dim contiguous)
  *   out:  [q_len, num_heads, head_dim], contiguous
  * Query i (0 <= i < q_len) sees keys 0 .. kv_len - q_len + i (a whole prompt: kv_len = q_len;
- * a chunk after cached tokens: kv_len > q_len).
+ * a chunk after cached tokens: kv_len > q_len). call_kv_len (>= kv_len): the key count of the
+ * torch call whose rounding to follow: kv_len for SDPA on this chunk alone, the whole prompt's
+ * length for one causal call over the prompt (the reference's prompt forward); it sets the
+ * splits' lengths, which decide the exp tail and P @ V's pieces.
  *
  * What torch does (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, torch 2.13, bf16): queries
  * in blocks of 32, 64 or 256 rows (by q_len), keys in splits of 512; per block and split, q @ k.T
@@ -212,7 +215,7 @@ static int pv_chunks(int64_t len, int single_chunk, int64_t bounds[3]) {
 }
 
 static inline __attribute__((always_inline)) void attend_head(
-    const uint16_t *q, int64_t q_stride_pos, const uint32_t *kp, const uint32_t *vp, int64_t q_len, int64_t kv_len, float scale,
+    const uint16_t *q, int64_t q_stride_pos, const uint32_t *kp, const uint32_t *vp, int64_t q_len, int64_t kv_len, int64_t call_kv_len, float scale,
     int64_t split, float *s, uint32_t *p, float *dst, uint32_t *qswap, uint16_t *out, int64_t out_stride_pos, int64_t row_begin,
     int64_t row_end, int single_chunk, const int CH) {
     const int PAIRS = CH * 8, PV_ROWS = 24 / CH;
@@ -230,7 +233,7 @@ static inline __attribute__((always_inline)) void attend_head(
         }
         const int64_t last_key = offset + i0 + rows - 1; /* the tile's furthest key */
         for (int64_t n = 0; n <= last_key; n += split) {
-            const int64_t split_len = kv_len - n < split ? kv_len - n : split, body = split_len / 16 * 16;
+            const int64_t split_len = call_kv_len - n < split ? call_kv_len - n : split, body = split_len / 16 * 16;
             const int64_t tile_live = last_key + 1 - n < split_len ? last_key + 1 - n : split_len;
             const int64_t fill_pairs = (tile_live + 1) / 2;
             if (single_chunk) scores_small_block(qr, rows, kp + (n / 16) * PAIRS * 16, tile_live, PAIRS, scale, s, split);
@@ -264,11 +267,11 @@ static inline __attribute__((always_inline)) void attend_head(
  * split is not a multiple of 32 or the rows are out of range (nothing written).
  * scratch: prefill_attention_scratch_bytes(...) bytes. */
 int prefill_attention_bf16(const uint16_t *q, int64_t q_stride_pos, int64_t q_stride_head, const uint16_t *k, const uint16_t *v,
-                           int64_t kv_stride_head, const int64_t *rows, int64_t q_len, int64_t kv_len, int64_t num_heads,
+                           int64_t kv_stride_head, const int64_t *rows, int64_t q_len, int64_t kv_len, int64_t call_kv_len, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, float scale, int64_t split, int64_t row_begin, int64_t row_end,
                            int single_chunk, void *scratch, uint16_t *out) {
     if (row_begin < 0 || row_end > q_len || row_begin >= row_end) return 0;
-    if ((head_dim != 32 && head_dim != 64 && head_dim != 128) || split % 32 || q_len < 1 || kv_len < q_len) return 0;
+    if ((head_dim != 32 && head_dim != 64 && head_dim != 128) || split % 32 || q_len < 1 || kv_len < q_len || call_kv_len < kv_len) return 0;
     const int64_t group = num_heads / num_kv_heads, kv_pad = (kv_len + 31) / 32 * 32;
     uint32_t *kp = (uint32_t *)scratch;                  /* [kv_pad / 16][head_dim / 2][16] */
     uint32_t *vp = kp + kv_pad * head_dim / 2;           /* [kv_pad / 2][head_dim] */
@@ -283,9 +286,9 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride_pos, int64_t q_st
             const int64_t head = h * group + g;
             const uint16_t *qh = q + head * q_stride_head;
             uint16_t *oh = out + head * head_dim;
-            if (head_dim == 32) attend_head(qh, q_stride_pos, kp, vp, q_len, kv_len, scale, split, s, p, dst, qswap, oh, num_heads * head_dim, row_begin, row_end, single_chunk, 2);
-            else if (head_dim == 64) attend_head(qh, q_stride_pos, kp, vp, q_len, kv_len, scale, split, s, p, dst, qswap, oh, num_heads * head_dim, row_begin, row_end, single_chunk, 4);
-            else attend_head(qh, q_stride_pos, kp, vp, q_len, kv_len, scale, split, s, p, dst, qswap, oh, num_heads * head_dim, row_begin, row_end, single_chunk, 8);
+            if (head_dim == 32) attend_head(qh, q_stride_pos, kp, vp, q_len, kv_len, call_kv_len, scale, split, s, p, dst, qswap, oh, num_heads * head_dim, row_begin, row_end, single_chunk, 2);
+            else if (head_dim == 64) attend_head(qh, q_stride_pos, kp, vp, q_len, kv_len, call_kv_len, scale, split, s, p, dst, qswap, oh, num_heads * head_dim, row_begin, row_end, single_chunk, 4);
+            else attend_head(qh, q_stride_pos, kp, vp, q_len, kv_len, call_kv_len, scale, split, s, p, dst, qswap, oh, num_heads * head_dim, row_begin, row_end, single_chunk, 8);
         }
     }
     return 1;
@@ -294,7 +297,7 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride_pos, int64_t q_st
 #else
 int prefill_attention_available(void) { return 0; }
 int prefill_attention_bf16(const uint16_t *q, int64_t q_stride_pos, int64_t q_stride_head, const uint16_t *k, const uint16_t *v,
-                           int64_t kv_stride_head, const int64_t *rows, int64_t q_len, int64_t kv_len, int64_t num_heads,
+                           int64_t kv_stride_head, const int64_t *rows, int64_t q_len, int64_t kv_len, int64_t call_kv_len, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, float scale, int64_t split, int64_t row_begin, int64_t row_end,
                            int single_chunk, void *scratch, uint16_t *out) {
     return 0;
