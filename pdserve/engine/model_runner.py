@@ -19,6 +19,7 @@ from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+
 class PagedModelRunner:
     def __init__(self, model, kv_cache: PagedKVCache, decode_kernel: bool | None = None, graphs: DecodeGraphs | None = None,
                  prefill_kernel: bool | None = None):

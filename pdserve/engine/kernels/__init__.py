@@ -3,13 +3,13 @@
 - ``paged_attention.c``: decode attention over KV blocks in place (engine/paged_decode.py).
 - ``kv_blocks.c``: block copies and checksums for the shm KV transfer backend.
 - ``bf16_gemv.c``: batched bf16 GEMVs summed as oneDNN sums one row (engine/exact_gemv.py).
-- ``prefill_attention.c``: causal prompt attention in bf16 as torch rounds it (engine/prefill_attention.py).
+- ``prefill_attention.c``: causal prompt attention in bf16 as torch rounds it (engine/paged_prefill.py).
 - ``torch_numerics.h``: torch's bf16 rounding and fexp_u20, shared by the attention kernels.
 
 Each is built with the system C compiler (``cc -O3 -march=native``) into
-``~/.cache/pdserve/kernels/`` (``$PDSERVE_CACHE/kernels`` where set, as the model cache), keyed by a hash of the
-source, the headers here, the compiler and this CPU's flags, under a file lock so concurrent workers build
-it once. No torch headers are involved: a build takes about a second. Where no compiler
+``~/.cache/pdserve/kernels/`` (``$PDSERVE_CACHE/kernels`` where set, as the model cache),
+keyed by a hash of the source, the headers here, the compiler and this CPU's flags, under a
+file lock so concurrent workers build it once. No torch headers are involved: a build takes about a second. Where no compiler
 is found or the build fails, ``load()`` returns None and callers fall back (a warning
 says why).
 """
