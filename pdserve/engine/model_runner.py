@@ -50,11 +50,11 @@ class PagedModelRunner:
             new_slots.append(slots[-num_new:])
             if not decode_only:
                 context_slots.append(slots)  # [end]
+                prompt_lens.append(max(seq.num_prompt_tokens, end))  # a recompute's prompt includes its generated tokens
             query_starts.append(query_starts[-1] + num_new)
             context_lens.append(end)
-            prompt_lens.append(max(seq.num_prompt_tokens, end))  # a recompute's prompt includes its generated tokens
         ctx = AttentionContext(self.kv_cache, torch.cat(new_slots), query_starts, context_lens, context_slots,
-                               prefill_kernel=self.prefill_kernel, prompt_lens=prompt_lens)
+                               prefill_kernel=self.prefill_kernel, prompt_lens=prompt_lens or None)
         # tokens the reference computes alone: generated ones, and a one-token prompt
         gemv_rows = [query_starts[i] for i, (seq, n) in enumerate(batch)
                      if n == 1 and (seq.num_computed_tokens >= seq.num_prompt_tokens or seq.num_prompt_tokens == 1)]

@@ -643,16 +643,8 @@ static float exp_and_sum(float *sc, int64_t n, float max, int bf16) {
 #ifdef __AVX512F__
     const __m512 vmax = _mm512_set1_ps(max), lo = _mm512_set1_ps(-87.33654475f), hi = _mm512_set1_ps(88.72283936f);
     __m512 acc = _mm512_setzero_ps();
-    if (bf16) { /* two accumulators over alternate 16-key pieces, as torch 2.13 (prefill_attention.c) */
-        __m512 acc1 = _mm512_setzero_ps();
-        for (int64_t t = 0; t < body; t += 16) {
-            const __m512 y = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(sc + t), vmax));
-            if ((t / 16) % 2) acc1 = _mm512_add_ps(acc1, y);
-            else acc = _mm512_add_ps(acc, y);
-            _mm512_storeu_ps(sc + t, y);
-        }
-        acc = _mm512_add_ps(acc, acc1);
-    } else
+    if (bf16) sum = fexp_sum_pieces(sc, body, max); /* torch's order (torch_numerics.h) */
+    else {
     for (int64_t t = 0; t < body; t += 16) {
         const __m512 x0 = _mm512_sub_ps(_mm512_loadu_ps(sc + t), vmax);
         const __mmask16 under = _mm512_cmp_ps_mask(x0, lo, _CMP_LT_OS);
@@ -672,6 +664,7 @@ static float exp_and_sum(float *sc, int64_t n, float max, int bf16) {
         _mm512_storeu_ps(sc + t, y);
     }
     sum = _mm512_reduce_add_ps(acc);
+    }
 #else
     float lanes[16] = {0};
     for (int64_t t = 0; t < body; t++) sc[t] = bf16 ? fexp_scalar(sc[t] - max) : exp_like_torch(sc[t] - max);

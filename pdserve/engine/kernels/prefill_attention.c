@@ -135,19 +135,7 @@ static float softmax_split(float *s, int64_t live, int64_t body, float *row_max,
     if (t < live) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << (live - t)) - 1), s + t));
     const float split_max = _mm512_reduce_max_ps(vm);
     const float new_max = split_max > *row_max ? split_max : *row_max;
-    const __m512 vmax = _mm512_set1_ps(new_max);
-    const int64_t vec_end = live < body ? live : body;
-    /* two accumulators over alternate 16-key pieces, as torch 2.13's _exp_reduce_sum_fusion_kernel
-     * (measured: with one, ~1 in 300,000 outputs differ) */
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (t = 0; t < vec_end; t += 16) {
-        const __mmask16 m = vec_end - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (vec_end - t)) - 1);
-        const __m512 y = _mm512_maskz_mov_ps(m, fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax)));
-        if ((t / 16) % 2) acc1 = _mm512_add_ps(acc1, y);
-        else acc0 = _mm512_add_ps(acc0, y);
-        _mm512_storeu_ps(s + t, y);
-    }
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    float sum = fexp_sum_pieces(s, live < body ? live : body, new_max);
     for (t = body; t < live; t++) {
         s[t] = expf(s[t] - new_max);
         sum += s[t];

@@ -42,6 +42,24 @@ static inline __m512 fexp_u20(__m512 x) {
     return _mm512_castsi512_ps(bits);
 }
 
+
+/* The vector part of torch's _exp_reduce_sum_fusion_kernel for bf16 (torch 2.13): s[t] <- exp(s[t] - max)
+ * by fexp_u20 for t < end (the rest of the last 16-key piece set to 0, as exp(-inf) of the keys a
+ * row cannot see), summed in two accumulators over alternate 16-key pieces, added, lanes reduced;
+ * returns that sum. The caller adds its scalar tail (std::exp) after it. With one accumulator
+ * ~1 in 300,000 attention outputs differed from torch's. */
+static inline float fexp_sum_pieces(float *s, int64_t end, float max) {
+    const __m512 vmax = _mm512_set1_ps(max);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t t = 0; t < end; t += 16) {
+        const __mmask16 m = end - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (end - t)) - 1);
+        const __m512 y = _mm512_maskz_mov_ps(m, fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax)));
+        if ((t / 16) % 2) acc1 = _mm512_add_ps(acc1, y);
+        else acc0 = _mm512_add_ps(acc0, y);
+        _mm512_storeu_ps(s + t, y);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
 #endif
 
 #endif
