@@ -10,6 +10,10 @@ sequence's context, divided by the measured read bandwidth. Prefill FLOPs: 2
 x decoder-layer parameters x tokens + 4 x layers x heads x head_dim x T^2 / 2 (causal attention, QK^T and PV),
 plus the LM head for the last token (Kaplan et al. 2020, sec. 2.1; Chowdhery et al. 2022, app. B).
 
+Last, ``bench/floors.py`` measures a narrow twin of the model (same layers, heads and
+context, widths shrunk) through the same engine: the step's cost outside the linear layers'
+weights, from which ``targets`` gets the best ratio each decode target could reach here.
+
 It also splits the forwards of the batch-1 and batch-32 decode steps and of the 2,048-token
 prefill into linear layers, attention and the rest (``bench/breakdown.py``), with the read
 bandwidth or FLOP/s each part reaches: what limits each target.
@@ -27,6 +31,7 @@ from transformers import DynamicCache
 
 from bench import hardware
 from bench.breakdown import linear_bytes, linear_flops, timed_components
+from bench.floors import best_ratios, decode_floors
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.model_loader import load_model, resolve_model_dir
@@ -203,6 +208,11 @@ def main() -> None:
     # CUDA graph replay runs no hooks at all)
     breakdown = breakdowns(model, engine, batches, args.context, 2048 if 2048 in lengths else max(lengths), args.repeats, hw) if DEVICE == "cpu" else {}
 
+    floors = decode_floors(model, config, pdserve_decode_step, batches, args.context, args.repeats, hw) if DEVICE == "cpu" else {}
+    for name, f in floors.items():
+        print(f"narrow twin, decode {name}: {f['twin_step_s'] * 1e3:.1f} ms with {f['twin_weight_bytes'] / 1e6:.0f} MB of weights "
+              f"and {f['twin_attention_s'] * 1e3:.1f} ms of attention -> {f['small_ops_s'] * 1e3:.1f} ms of small ops", flush=True)
+
     by_batch = {d["batch"]: d for d in decode}
     by_len = {p["tokens"]: p for p in prefill}
     targets = {
@@ -216,9 +226,10 @@ def main() -> None:
         "decode_b32_over_b1": by_batch[32]["pdserve_s"] / by_batch[1]["pdserve_s"] if 1 in by_batch and 32 in by_batch else None,
         "prefill_2048_fraction_of_matmul_peak": by_len.get(2048, {}).get("fraction_of_matmul_peak"),
         "prefill_2048_sdpa_fraction_of_matmul_peak": by_len.get(2048, {}).get("sdpa_fraction_of_matmul_peak"),
+        **best_ratios(model, floors, by_batch, bytes_per_token, args.context, hw),  # the best the decode targets could reach here (bench/floors.py)
     }
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "hardware": hw,
-              "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "prefill": prefill, "breakdown": breakdown, "targets": targets}
+              "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "prefill": prefill, "breakdown": breakdown, "floors": floors, "targets": targets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(result, indent=2))

@@ -15,9 +15,11 @@ from conftest import reference_generate, tiny_model
 from pdserve.engine import allocator
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import InvalidRequestError
+from pdserve.kv_layout import KVSpec
 from pdserve.sampling import SamplingParams
 
 EOS = frozenset({2})
@@ -417,3 +419,35 @@ def test_the_engine_keeps_freed_memory_for_the_next_step():
 
     assert probe("default") == ["True", "False"]
     assert probe("keep") == ["False", "True"]
+
+
+def test_large_pool_tensors_sit_on_huge_pages_and_hold_zeros():
+    """huge_pages.py: the KV pool and the packed GEMV weights are fresh mappings, 2 MiB aligned
+    and advised for huge pages (backed by them where THP is on); small ones keep torch's
+    allocator. Where THP is 'madvise' or 'always', the pages really are huge."""
+    from pathlib import Path
+
+    from pdserve.engine import huge_pages
+
+    big = huge_pages.zeros((3, 1 << 20, 4), torch.bfloat16)  # 24 MiB
+    assert big.shape == (3, 1 << 20, 4) and big.dtype == torch.bfloat16 and big.is_contiguous()
+    assert big.data_ptr() % huge_pages.HUGE_PAGE == 0 and not big.any()
+    big[1, 5, 2] = 7  # writable, and the write lands where a view says
+    assert big[1].view(-1)[22].item() == 7 and int(big.ne(0).sum()) == 1
+    small = huge_pages.zeros((16, 4), torch.float32)
+    assert small.shape == (16, 4) and not small.any()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        before = _anon_huge_kib()
+        more = huge_pages.zeros((16 << 20,), torch.uint8)
+        more.fill_(1)
+        assert _anon_huge_kib() - before >= 8 << 10  # most of its 16 MiB on 2 MiB pages
+    pool = PagedKVCache(KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16), 4096, 16)
+    assert pool.k.data_ptr() % huge_pages.HUGE_PAGE == 0 and not pool.v.any()
+
+
+def _anon_huge_kib() -> int:
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0

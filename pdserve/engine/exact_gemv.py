@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from pdserve.engine import kernels
+from pdserve.engine import huge_pages, kernels
 
 log = logging.getLogger(__name__)
 
@@ -39,24 +39,28 @@ def available() -> bool:
     return lib is not None and bool(lib.bf16_gemv_available())
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """weight: [N, K] bf16 -> [N * K / 2] int32 pairs (W[n, 2i] low, W[n, 2i + 1] high) in tiles
-    of 64 outputs, each [K / 2, 64] and contiguous (kernels/bf16_gemv.c)."""
+    of 64 outputs, each [K / 2, 64] and contiguous (kernels/bf16_gemv.c); written into ``out``
+    ([N * K / 2] int32, contiguous) where given."""
     n, k = weight.shape
     w = weight.detach().contiguous()
-    out = torch.empty(n * k // 2, dtype=torch.int32)
+    if out is None:
+        out = torch.empty(n * k // 2, dtype=torch.int32)
     kernels.load("bf16_gemv").pack_pairs(w.data_ptr(), n, k, out.data_ptr())
     return out
 
 
-def gemv_rows(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] bf16 (rows contiguous) -> [M, N] bf16, each row as oneDNN's GEMV gives it alone.
+def gemv_rows(x: torch.Tensor, pairs: torch.Tensor, n_out: int | None = None) -> torch.Tensor:
+    """x: [M, K] bf16 (rows contiguous) -> [M, N] bf16, each row as oneDNN's GEMV gives it alone;
+    ``pairs`` from ``pack`` ([N * K / 2] int32), ``n_out`` = N where the caller knows it.
     Raises MemoryError if the kernel's float32 scratch (2 * M * 64 values) cannot be allocated."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, pairs.numel() * 2 // k, dtype=torch.bfloat16)
-    if _rows_kernel()(x.data_ptr(), x.stride(0), m, k, pairs.data_ptr(), out.shape[1], out.data_ptr()):
+    n = n_out if n_out is not None else pairs.numel() * 2 // k
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if _rows_kernel()(x.data_ptr(), x.stride(0), m, k, pairs.data_ptr(), n, out.data_ptr()):
         raise MemoryError(f"bf16_gemv_rows: no scratch for {m} rows")
     return out
 
@@ -93,18 +97,23 @@ def prepare(model) -> int:
         if (isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16 and module.bias is None
                 and module.in_features % 2 == 0 and module.out_features % 16 == 0):
             by_shape.setdefault((module.in_features, module.out_features), []).append(module)
-    count = 0
+    taken: list[tuple[torch.nn.Linear, bool]] = []
     for shape, modules in by_shape.items():
         probe = modules[0]
         probe._gemv_pairs = pack(probe.weight)
         needed, matched = _gemv_needed_and_matched(probe)
-        del probe._gemv_pairs
+        probe._gemv_pairs = None
         if not matched:
             if needed:
                 log.warning("bf16 GEMV kernel does not reproduce oneDNN's for %s; batched decode rows keep oneDNN's GEMM", shape)
             continue
-        for module in modules:  # bit-identical to oneDNN's GEMV, and it streams the weights faster
-            module._gemv_pairs = pack(module.weight)
-            module._gemv_required = needed  # batched decode rows must take it; else only few rows do
-        count += len(modules)
-    return count
+        taken += [(module, needed) for module in modules]  # bit-identical to oneDNN's GEMV, and it streams the weights faster
+    # every layer's pairs in one huge-page arena (huge_pages.py): a decode step streams them all
+    arena = huge_pages.zeros((sum(m.weight.numel() // 2 for m, _ in taken),), torch.int32)
+    offset = 0
+    for module, needed in taken:
+        size = module.weight.numel() // 2
+        module._gemv_pairs = pack(module.weight, arena[offset : offset + size])
+        module._gemv_required = needed  # batched decode rows must take it; else only few rows do
+        offset += size
+    return len(taken)

@@ -49,25 +49,25 @@ def _onednn(self, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-    # x: [..., in_features] -> [..., out_features]
+    # x: [..., in_features] -> [..., out_features]; runs for every linear layer of every step,
+    # so the decode-row test reads plain attributes (~1 us) before anything else
     rows = x.reshape(-1, x.shape[-1])  # [M, in_features]
-    ctx = attention.current_context()
-    if (ctx is not None and ctx.gemv_rows is not None and getattr(self, "_gemv_pairs", None) is not None
-            and rows.shape[0] == ctx.num_tokens and (self._gemv_required or len(ctx.gemv_rows) <= exact_gemv.FEW_ROWS
-                                                     or torch.get_num_threads() == 1)):
-        out = _split_rows(self, rows, ctx.gemv_rows)
-    else:
-        out = _onednn(self, rows)
+    pairs, ctx = self._gemv_pairs, attention.current_context()
+    if pairs is not None and ctx is not None and ctx.gemv_rows is not None and rows.shape[0] == ctx.query_starts[-1]:
+        num_gemv = ctx.gemv_rows.shape[0]
+        if self._gemv_required or num_gemv <= exact_gemv.FEW_ROWS or torch.get_num_threads() == 1:
+            out = (exact_gemv.gemv_rows(rows, pairs, self.out_features) if num_gemv == rows.shape[0]
+                   else _split_rows(self, rows, ctx.gemv_rows))
+            return out.view(*x.shape[:-1], self.out_features)
+    out = _onednn(self, rows)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _split_rows(self, rows: torch.Tensor, gemv_rows: torch.Tensor) -> torch.Tensor:
     """Decode rows (``gemv_rows``, indices) summed as oneDNN sums a lone row (exact_gemv.py);
     the others by oneDNN's GEMM, as the reference's prompt forward computes them."""
-    if len(gemv_rows) == rows.shape[0]:
-        return exact_gemv.gemv_rows(rows, self._gemv_pairs)
     out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
-    out[gemv_rows] = exact_gemv.gemv_rows(rows[gemv_rows], self._gemv_pairs)
+    out[gemv_rows] = exact_gemv.gemv_rows(rows[gemv_rows], self._gemv_pairs, self.out_features)
     keep = torch.ones(rows.shape[0], dtype=torch.bool)
     keep[gemv_rows] = False
     others = rows[keep]
@@ -84,6 +84,7 @@ def pack_linears(model) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and not hasattr(module, "_packed_weight"):
             module._packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 1)
+            module._gemv_pairs = None  # exact_gemv.prepare sets it where its kernel takes the decode rows
             module.forward = types.MethodType(_packed_forward, module)
             count += 1
     return count

@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from pdserve.engine import huge_pages
 from pdserve.kv_layout import KVSpec
 
 
@@ -43,6 +44,8 @@ class PagedKVCache:
 
             (self.k, hk), (self.v, hv) = (exportable_zeros(shape, spec.dtype, self.device) for _ in range(2))
             self.ipc_handles = (hk, hv)
+        elif self.device.type == "cpu":  # huge pages: a decode step reads scattered blocks of it (huge_pages.py)
+            self.k, self.v = huge_pages.zeros(shape, spec.dtype), huge_pages.zeros(shape, spec.dtype)
         else:
             self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
             self.v = torch.zeros(shape, dtype=spec.dtype, device=device)

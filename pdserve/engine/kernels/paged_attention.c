@@ -27,8 +27,9 @@
  * prefetched ahead. With AVX512-BF16, bf16 takes torch's order two terms at a time with
  * VDPBF16PS (scores_bf16_dp, pv_bf16_dp: same bits but for float32 denormals). bf16 at batch
  * 32, context 512, SmolLM2's 9/3 heads x 64 on one Zen 4 core: 0.56 ms per layer with the KV
- * in L3, 1.2-1.3 ms from DRAM (~10 GB/s of KV); before VDPBF16PS 1.0 and 1.8 ms, before the
- * register-resident loops and prefetch 2.5 and 2.1-2.5 ms.
+ * in L3, 1.2-1.3 ms from DRAM (~10 GB/s of KV; 0.9-1.0 ms since the prefetches go to L2 and the
+ * pool is on huge pages); before VDPBF16PS 1.0 and 1.8 ms, before the register-resident loops
+ * and prefetch 2.5 and 2.1-2.5 ms.
  *
  * Built with cc -O3 -march=native by kernels/__init__.py; one thread per call.
  */
@@ -222,10 +223,16 @@ typedef struct {
 } next_keys;
 
 /* K/V rows sit in scattered blocks, which the hardware prefetcher cannot guess: the bf16 loops
- * fetch the rows PREFETCH_ROWS ahead (64 cache lines in flight for head_dim 64). */
-#define PREFETCH_ROWS 32
+ * fetch the rows PREFETCH_ROWS ahead into L2 (128 cache lines in flight for head_dim 64). Into
+ * L2, not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until DRAM answers,
+ * and 64 of them per 16 rows stalled the loop. Measured on one Zen 4 core (batch 32, context
+ * 512, 9/3 heads x 64, 30 layers of KV from DRAM, blocks in random order): 38-40 ms with 32
+ * rows into L1, 32-34 ms with 64 rows into L2, 27-30 ms with P @ V's rows into L1 (PV_AHEAD)
+ * and the pool on huge pages (engine/huge_pages.py) too. */
+#define PREFETCH_ROWS 64
+#define PV_AHEAD 16 /* P @ V fetches its V rows this far ahead from L2 into L1 */
 static inline __attribute__((always_inline)) void prefetch_row(const uint16_t *row, int64_t head_dim) {
-    for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(row + i, 0, 3);
+    for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(row + i, 0, 2);
 }
 
 /* fexp_u20 (below) in scalar C, for builds without AVX-512: the same operations in the same order. */
@@ -373,7 +380,7 @@ static inline __attribute__((always_inline)) __m512 store_16_scores(__m512 a0, _
     return sc;
 }
 
-/* Before 16 K rows from t: the K rows PREFETCH_ROWS ahead into L1, and these rows' V into L2
+/* Before 16 K rows from t: the K rows PREFETCH_ROWS ahead into L2, and these rows' V into L2
  * (a split's V rows, 64 KB, outgrow L1), read next by P @ V. */
 static inline __attribute__((always_inline)) void prefetch_16_rows(const uint16_t *k, const uint16_t *v, const int64_t *rows, int64_t t,
                                                                    int64_t n, int64_t head_dim) {
@@ -565,6 +572,9 @@ static inline __attribute__((always_inline)) void pv_bf16_dp(
         }
     for (int64_t t = 0; t < n; t += 4) {
         prefetch_next_keys(next, t, head_dim);
+        if (t + PV_AHEAD + 4 <= n)
+            for (int j = 0; j < 4; j++)
+                for (int64_t i = 0; i < head_dim; i += 32) __builtin_prefetch(v + rows[t + PV_AHEAD + j] + i, 0, 3);
         const int live = n - t < 4 ? (int)(n - t) : 4; /* rows past n: p = 0 and v = 0, as pv_bf16 pads */
         __m512i p02[4], p13[4];
         for (int g = 0; g < GROUP; g++) {

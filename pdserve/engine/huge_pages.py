@@ -1,0 +1,48 @@
+"""Large CPU tensors on transparent huge pages (2 MiB), for memory a decode step streams.
+
+A decode step reads every linear layer's weights and each sequence's KV blocks once. With
+4 KiB pages that is one TLB entry per 4 KiB read, and the KV of a batch is scattered over
+thousands of pages. Linux backs an anonymous mapping with 2 MiB pages where the mapping is
+advised ``MADV_HUGEPAGE`` before it is touched (``/sys/kernel/mm/transparent_hugepage/enabled``
+= ``madvise``, the common default; ``always`` needs no advice). Measured on one Zen 4 core,
+interleaved runs in one process: the bundled model's GEMVs at batch 1 (269 MB) 11.2 -> 10.7
+ms at best, 13.2 -> 12.1 ms median; decode attention at batch 32, context 512, blocks in random
+order, 30 layers: 31.3 -> 30.0 ms, and 32.9 -> 30.5 ms median with the L2 prefetches of
+kernels/paged_attention.c. Results are bit-identical: only the page size changes.
+
+Where the advice is refused (another OS, THP ``never``), the memory is plain anonymous memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20  # bytes
+MIN_BYTES = 4 * HUGE_PAGE  # smaller tensors keep torch's allocator
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor of ``shape`` whose memory is a fresh anonymous mapping, 2 MiB
+    aligned, advised for huge pages and then written (so resident, as ``torch.zeros``'s). Below
+    ``MIN_BYTES``, or off Linux, it is ``torch.zeros``. The mapping lives as long as the tensor
+    (and its views)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < MIN_BYTES or not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)  # holds buf: the tensor keeps the mapping alive
+    offset = -flat.data_ptr() % HUGE_PAGE  # first 2 MiB boundary inside the mapping (a page multiple)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    except OSError:  # THP off or unsupported: plain pages
+        pass
+    out = flat[offset : offset + nbytes]
+    out.zero_()  # touch every page now, as torch.zeros does: the pool is resident from the start, and never read
+    # through the kernel's shared zero page (a benchmark reading blocks never written would see cached zeros)
+    return out.view(dtype).view(shape)
