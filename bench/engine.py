@@ -22,6 +22,7 @@ bandwidth or FLOP/s each part reaches: what limits each target.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -158,6 +159,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (then the hardware limits are the GPU's: HBM read, matmul)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args()
+    if importlib.util.find_spec("matplotlib") is None:  # fail before minutes of measuring, not at the plot
+        parser.error("matplotlib is missing (it draws engine.png): bash scripts/install.sh bench, or run bash bench/run.sh")
     global DEVICE
     DEVICE = args.device
     torch.set_num_threads(args.threads)
@@ -211,7 +214,8 @@ def main() -> None:
     floors = decode_floors(model, config, pdserve_decode_step, batches, args.context, args.repeats, hw) if DEVICE == "cpu" else {}
     for name, f in floors.items():
         print(f"narrow twin, decode {name}: {f['twin_step_s'] * 1e3:.1f} ms with {f['twin_weight_bytes'] / 1e6:.0f} MB of weights "
-              f"and {f['twin_attention_s'] * 1e3:.1f} ms of attention -> {f['small_ops_s'] * 1e3:.1f} ms of small ops", flush=True)
+              f"in {f['twin_linear_s'] * 1e3:.1f} ms of linear layers, {f['twin_attention_s'] * 1e3:.1f} ms of attention "
+              f"-> {f['small_ops_s'] * 1e3:.1f} ms of small ops", flush=True)
 
     by_batch = {d["batch"]: d for d in decode}
     by_len = {p["tokens"]: p for p in prefill}
@@ -237,7 +241,7 @@ def main() -> None:
     print_tables(result)
     print(f"\n{machine}")
     print(f"hardware: read {hw['mem_read_bytes_per_s'] / 1e9:.1f} GB/s, memcpy {hw['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, "
-          f"matmul fp32 {hw['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {hw['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s ({hw['num_threads']} threads)"
+          f"matmul fp32 {hw['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {hw['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s ({hw['num_threads']} thread{'s' if hw['num_threads'] != 1 else ''})"
           + (f"; bf16 instruction peak {hw['bf16_instruction_peak_flops'] / 1e9:.0f} GFLOP/s (1 thread)" if hw.get("bf16_instruction_peak_flops") else ""))
     print("targets:", json.dumps({k: round(v, 3) if v is not None else None for k, v in targets.items()}))
     print(f"wrote {out / 'engine.json'} and {out / 'engine.png'}")

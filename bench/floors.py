@@ -7,9 +7,11 @@ the Python and dispatcher cost of each of its ~45 torch ops per layer, the engin
 per-call work, and sampling. (c) is measured directly on a **narrow twin** of the model: the
 same architecture, layers, heads, head_dim, vocabulary and context, run through the same
 engine, but with ``hidden_size = 16 x heads`` and ``intermediate_size = 128``, so that its
-weights are ~9x fewer bytes. (c) = the twin's step - its linear layers at the hardware limit
-(max of its weight bytes / read bandwidth and its linear FLOPs / bf16 instruction peak) - its
-attention calls (timed by ``bench/breakdown.py``'s hooks in a second run).
+weights are ~9x fewer bytes. (c) = the twin's step (fastest of three) - its linear layers and
+its attention calls as timed by ``bench/breakdown.py``'s hooks in a second run: everything
+in a linear call (the Python and ctypes around it too) counts as linear, so (c) errs low and
+the ratios below err towards reachable. On these shared machines (c) still moves by 1.5-3x
+between runs (other tenants): compare the ratios over runs.
 
 With (a) and (b) at the hardware limit and (c) as measured:
 
@@ -38,6 +40,7 @@ from pdserve.engine.engine import Engine, EngineConfig
 
 NARROW_PER_HEAD = 16  # hidden_size of the twin = 16 x num_attention_heads
 NARROW_INTERMEDIATE = 128
+TWIN_TRIALS = 3  # the twin's step is the fastest of this many medians: a floor, on a machine whose speed moves
 
 
 def narrow_twin(model) -> torch.nn.Module:
@@ -58,21 +61,21 @@ def narrow_twin(model) -> torch.nn.Module:
 
 def decode_floors(model, config: EngineConfig, step: Callable[[Engine, int, int, int], float], batches: list[int],
                   context: int, repeats: int, hw: dict) -> dict:
-    """Per batch in (1, 32) ∩ ``batches``: the twin's step (``step(engine, batch, context,
-    repeats)`` -> seconds), its weight bytes, the seconds its linear layers take at the hardware
-    limit, its attention seconds per forward, and ``small_ops_s`` = step - linear limit -
-    attention (seconds, >= 0)."""
+    """Per batch in (1, 32) ∩ ``batches``: the twin's step (the fastest of ``TWIN_TRIALS`` calls
+    of ``step(engine, batch, context, repeats)`` -> seconds), its weight bytes, its linear and
+    attention seconds per forward (hooked run), and ``small_ops_s`` = step - linear - attention
+    (seconds, >= 0)."""
     twin = narrow_twin(model)
     twin_bytes = sum(p.numel() * p.element_size() for p in twin.parameters())
     engine = Engine(twin, config, frozenset(), 8192)
     out = {}
     for batch in [b for b in (1, 32) if b in batches]:
-        seconds = step(engine, batch, context, repeats)
+        seconds = min(step(engine, batch, context, repeats) for _ in range(TWIN_TRIALS))
         with timed_components(twin) as parts:
             step(engine, batch, context, repeats)
-        linear = linear_limit_s(twin, batch, hw)
-        out[f"b{batch}"] = {"twin_step_s": seconds, "twin_weight_bytes": twin_bytes, "twin_linear_limit_s": linear,
-                            "twin_attention_s": parts["attention_s"], "small_ops_s": max(seconds - linear - parts["attention_s"], 0.0)}
+        out[f"b{batch}"] = {"twin_step_s": seconds, "twin_weight_bytes": twin_bytes, "twin_linear_s": parts["linear_s"],
+                            "twin_attention_s": parts["attention_s"],
+                            "small_ops_s": max(seconds - parts["linear_s"] - parts["attention_s"], 0.0)}
     return out
 
 

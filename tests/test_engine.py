@@ -436,6 +436,9 @@ def test_large_pool_tensors_sit_on_huge_pages_and_hold_zeros():
     assert big[1].view(-1)[22].item() == 7 and int(big.ne(0).sum()) == 1
     small = huge_pages.zeros((16, 4), torch.float32)
     assert small.shape == (16, 4) and not small.any()
+    assert huge_pages.zeros(5 << 20, torch.int32).shape == (5 << 20,)  # an int is a 1-d shape, as torch.zeros takes it
+    with pytest.raises(ValueError, match="negative"):
+        huge_pages.zeros((-2, -(1 << 24)), torch.uint8)  # refused before anything is mapped
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists() and "[never]" not in thp.read_text():
         before = _anon_huge_kib()

@@ -24,11 +24,15 @@ HUGE_PAGE = 2 << 20  # bytes
 MIN_BYTES = 4 * HUGE_PAGE  # smaller tensors keep torch's allocator
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor of ``shape`` whose memory is a fresh anonymous mapping, 2 MiB
     aligned, advised for huge pages and then written (so resident, as ``torch.zeros``'s). Below
     ``MIN_BYTES``, or off Linux, it is ``torch.zeros``. The mapping lives as long as the tensor
-    (and its views)."""
+    (and its views); its storage is the whole mapping (2 MiB more than the tensor), so a
+    pickled copy carries that too. Raises ValueError on a negative dimension."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"huge_pages.zeros: negative dimension in {shape}")
     numel = 1
     for n in shape:
         numel *= n
