@@ -63,6 +63,11 @@ def timed_components(model):
         result["num_forwards"] = totals["num_forwards"]
 
 
+def weight_bytes(model) -> int:
+    """Bytes of every parameter (tied ones once): what a decode step's roofline counts."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def linear_bytes(model) -> int:
     """Bytes of every nn.Linear weight (what a decode step's linear layers must read)."""
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))

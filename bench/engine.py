@@ -31,16 +31,12 @@ import torch
 from transformers import DynamicCache
 
 from bench import hardware
-from bench.breakdown import linear_bytes, linear_flops, timed_components
+from bench.breakdown import linear_bytes, linear_flops, timed_components, weight_bytes
 from bench.floors import best_ratios, decode_floors
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.model_loader import load_model, resolve_model_dir
 from pdserve.sampling import SamplingParams
-
-
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def attention_flops(model, num_tokens: int) -> float:

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.breakdown import linear_bytes, linear_flops, timed_components
+from bench.breakdown import linear_bytes, linear_flops, timed_components, weight_bytes
 from pdserve.engine.engine import Engine, EngineConfig
 
 NARROW_PER_HEAD = 16  # hidden_size of the twin = 16 x num_attention_heads
@@ -66,7 +66,7 @@ def decode_floors(model, config: EngineConfig, step: Callable[[Engine, int, int,
     attention seconds per forward (hooked run), and ``small_ops_s`` = step - linear - attention
     (seconds, >= 0)."""
     twin = narrow_twin(model)
-    twin_bytes = sum(p.numel() * p.element_size() for p in twin.parameters())
+    twin_bytes = weight_bytes(twin)
     engine = Engine(twin, config, frozenset(), 8192)
     out = {}
     for batch in [b for b in (1, 32) if b in batches]:
