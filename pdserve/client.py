@@ -84,7 +84,8 @@ class GenerateResult:
 def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                   prompt_token_ids: list[int] | None = None, request_id: str = "", model: str = "", **params) -> pb.GenerateRequest:
     """``params``: SamplingParams fields (max_tokens, temperature, top_p, top_k, seed,
-    min_tokens, stop, stop_token_ids, ignore_eos, logprobs). Raises ValueError for an
+    min_tokens, stop, stop_token_ids, ignore_eos, logprobs, repetition_penalty, presence_penalty,
+    frequency_penalty). Raises ValueError for an
     unknown one, TypeError naming the parameter for a value of the wrong type."""
     sampling = pb.SamplingParams()
     if isinstance(params.get("stop"), str):  # as OpenAI's: one stop string (else protobuf would take each character)

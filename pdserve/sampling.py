@@ -19,6 +19,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRING_CHARS = 256
+MAX_ADDITIVE_PENALTY = 2.0  # presence/frequency penalties in [-2, 2], as OpenAI and vLLM allow
 
 
 @dataclass
@@ -30,6 +31,16 @@ class SamplingParams:
     so the same seed gives the same tokens whatever else runs beside it.
     stop_token_ids: tokens that end generation (finish_reason "stop"), besides
     EOS unless ignore_eos.
+
+    Penalties, with vLLM's semantics (vllm/model_executor/layers/utils.py
+    ``apply_penalties``; the OpenAI API reference for the two additive ones), applied to
+    the raw logits before min_tokens' bans are lifted, temperature, top-k and top-p, and
+    before a greedy argmax too:
+    repetition_penalty (> 0, 1 = off): a token seen in the prompt or the output has its
+    logit divided by it when positive, multiplied by it otherwise.
+    frequency_penalty ([-2, 2], 0 = off): minus this times the token's count in the output.
+    presence_penalty ([-2, 2], 0 = off): minus this once for a token in the output.
+    Reported logprobs stay those of the raw logits, as vLLM reports by default.
     """
 
     max_tokens: int = 16
@@ -42,6 +53,13 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int | None = None  # return each sampled token's log-probability and this many top alternatives
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, num_prompt_tokens: int, max_model_len: int) -> None:
         """Raise InvalidRequestError naming the first bad field.
@@ -70,20 +88,56 @@ class SamplingParams:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_ADDITIVE_PENALTY <= getattr(self, name) <= MAX_ADDITIVE_PENALTY:  # NaN fails too
+                raise InvalidRequestError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int) -> torch.Tensor:
+    """``logits: [vocab]`` with ``params``' penalties applied (a new tensor, float32), as vLLM's
+    ``apply_penalties`` computes them: the repetition penalty over the tokens of the prompt
+    and the output, then ``- frequency * count - presence * (count > 0)`` over the output's.
+
+    token_ids: the sequence so far, prompt first; its first ``num_prompt_tokens`` are the
+    prompt, the rest the output (a migrated request keeps that split, so its penalties match).
+    """
+    vocab = logits.shape[-1]
+    logits = logits.float().clone()
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    output_counts = torch.bincount(ids[num_prompt_tokens:], minlength=vocab)[:vocab]  # [vocab]
+    output_seen = output_counts > 0
+    if params.repetition_penalty != 1.0:
+        seen = output_seen.clone()
+        seen[ids[:num_prompt_tokens]] = True
+        penalty = torch.where(seen, params.repetition_penalty, 1.0)
+        logits *= torch.where(logits > 0, 1.0 / penalty, penalty)  # vLLM's apply_repetition_penalties_torch
+    if params.frequency_penalty != 0.0:
+        logits -= params.frequency_penalty * output_counts
+    if params.presence_penalty != 0.0:
+        logits -= params.presence_penalty * output_seen
+    return logits
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, position: int, num_generated: int = 0,
-           eos_token_ids: frozenset[int] = frozenset()) -> int:
+           eos_token_ids: frozenset[int] = frozenset(), token_ids: list[int] | None = None, num_prompt_tokens: int = 0) -> int:
     """Pick one token id from ``logits: [vocab]``.
 
     position: index of the token being sampled in the whole sequence; with a
     seed, the random stream is keyed by (seed, position), so the choice does
     not depend on batching or on which worker samples it. num_generated: tokens
     generated before this one; below ``params.min_tokens`` EOS (``eos_token_ids``,
-    unless ignore_eos) and the stop tokens cannot be picked.
+    unless ignore_eos) and the stop tokens cannot be picked. token_ids /
+    num_prompt_tokens: the sequence so far and its prompt's length, which the penalties
+    read (``apply_penalties``); needed only when ``params.has_penalties``.
     """
+    if params.has_penalties:
+        if token_ids is None:
+            raise ValueError("penalties need the sequence's token_ids")
+        logits = apply_penalties(logits, params, token_ids, num_prompt_tokens)
     if num_generated < params.min_tokens:
         banned = [*params.stop_token_ids, *([] if params.ignore_eos else eos_token_ids)]
         if banned:

@@ -4,9 +4,12 @@ Served by the router deployment as a FastAPI ingress on Ray Serve's HTTP proxy
 (router/server.py holds the routes). Endpoints: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/health``. Shapes follow the OpenAI API
 reference (https://platform.openai.com/docs/api-reference); sampling extensions that
-vLLM also accepts (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) pass
-through. Parameters pdserve does not implement are refused with a 400 naming them,
-never silently ignored.
+vLLM also accepts (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``repetition_penalty``) pass through. A parameter pdserve does not implement is accepted
+at its neutral value (what OpenAI does when it is left out: ``response_format`` text,
+no ``tools``, ``tool_choice: "none"``, ``n: 1``, ...), as OpenAI and vLLM accept it and
+client libraries send it by default; set to anything else, it is refused with a 400
+naming it, never silently ignored.
 """
 
 from __future__ import annotations
@@ -32,6 +35,24 @@ class StreamOptions(BaseModel):
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 
 
+def _neutral(name: str, value: Any, body: dict[str, Any]) -> bool:
+    """Whether an unimplemented field ``name`` is sent with the value that changes nothing:
+    plain-text output, no tools (and so no tool choice or parallel tool calls), no functions.
+    ``body``: the request's other unknown fields (tool_choice is neutral only without tools)."""
+    no_tools = not body.get("tools") and not body.get("functions")
+    if value is None:
+        return True
+    if name == "response_format":
+        return value == {"type": "text"}
+    if name in ("tools", "functions"):
+        return value == []
+    if name in ("tool_choice", "function_call"):
+        return value == "none" or (value == "auto" and no_tools)
+    if name == "parallel_tool_calls":
+        return isinstance(value, bool) and no_tools
+    return False
+
+
 class _Common(BaseModel):
     # strict: "10" is not a number and true is not a count; null means "the default"
     model_config = ConfigDict(extra="allow", strict=True)
@@ -51,14 +72,16 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
 
     def unsupported(self) -> list[str]:
         """Parameters set to something pdserve does not implement, and unknown ones."""
-        bad = [name for name, default in (("n", 1), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
-               if getattr(self, name) not in (None, default)]
+        bad = [name for name, neutral in (("n", 1), ("min_p", 0.0)) if getattr(self, name) not in (None, neutral)]
         bad += ["logit_bias"] if self.logit_bias else []
-        return bad + sorted(k for k in (self.model_extra or {}) if k not in IGNORED_FIELDS)
+        extra = self.model_extra or {}
+        return bad + sorted(k for k, v in extra.items() if k not in IGNORED_FIELDS and not _neutral(k, v, extra))
 
     def num_logprobs(self) -> int | None:
         return None
@@ -71,6 +94,8 @@ class _Common(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
             min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(),
+            **{name: getattr(self, name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+               if getattr(self, name) is not None},
         )
 
 

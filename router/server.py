@@ -48,6 +48,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per context token is refused untokenized
 
 
+# pb.SamplingParams' optional fields, each passed on to SamplingParams when set
+_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs",
+                    "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def _logprob_pb(lp) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
@@ -141,7 +146,7 @@ class Router:
     def _params(self, p: pb.SamplingParams) -> SamplingParams:
         return SamplingParams(
             stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, stop=tuple(p.stop),
-            **{name: getattr(p, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs") if p.HasField(name)},
+            **{name: getattr(p, name) for name in _OPTIONAL_PARAMS if p.HasField(name)},
         )
 
     def _parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:

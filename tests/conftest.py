@@ -27,20 +27,39 @@ def tiny_model(family: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+def reference_generate(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False, repetition_penalty: float = 1.0,
+                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> list[int]:
     """Greedy ``model.generate`` output ids (prompt excluded), the single-process reference.
 
     ignore_eos: generate past EOS (as SamplingParams.ignore_eos), for exactly max_new_tokens.
+    repetition_penalty: HF's own (over prompt and output; a power of 2 rounds as vLLM's
+    multiply-by-reciprocal does). frequency / presence: OpenAI's definition over the output,
+    applied after it (OutputPenalties), the order vLLM applies them in.
     """
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, LogitsProcessorList
 
     input_ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
     config = GenerationConfig(
         do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=model.config.pad_token_id,
-        eos_token_id=[] if ignore_eos else model.generation_config.eos_token_id,
+        eos_token_id=[] if ignore_eos else model.generation_config.eos_token_id, repetition_penalty=repetition_penalty,
     )
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+    processors = LogitsProcessorList([OutputPenalties(len(prompt_ids), frequency_penalty, presence_penalty)] if frequency_penalty or presence_penalty else [])
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, logits_processor=processors)
     return out[0, len(prompt_ids):].tolist()
+
+
+class OutputPenalties:
+    """OpenAI's frequency and presence penalties as an HF logits processor: each token's
+    logit minus ``frequency`` times its count in the output and ``presence`` once if it is there."""
+
+    def __init__(self, num_prompt_tokens: int, frequency: float, presence: float):
+        self.num_prompt_tokens, self.frequency, self.presence = num_prompt_tokens, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        for row, ids in enumerate(input_ids[:, self.num_prompt_tokens:]):
+            counts[row].index_add_(0, ids, torch.ones(len(ids), dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
 
 
 @pytest.fixture(scope="session")

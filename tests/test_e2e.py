@@ -407,6 +407,51 @@ def test_openai_bad_input_is_a_400_in_openai_shape(oai, kwargs, message):
     assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"
 
 
+def test_penalties_equal_the_reference_across_the_handoff(cluster, oai, reference):
+    """The repetition penalty changes the first token, which prefill samples; frequency and
+    presence change later ones, which decode samples. gRPC and HTTP both carry them."""
+    model, tokenizer = reference
+    prompt = text_prompt(tokenizer, 40)
+    plain = reference_generate(model, prompt, 24, ignore_eos=True)
+    want = reference_generate(model, prompt, 24, ignore_eos=True, repetition_penalty=2.0)
+    assert want[0] != plain[0]
+    assert cluster.generate(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True, repetition_penalty=2.0).token_ids == want
+    want = reference_generate(model, prompt, 24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=1.5)
+    assert want != plain
+    got = cluster.generate(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=1.5)
+    assert got.token_ids == want
+    done = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True, "frequency_penalty": 2.0, "presence_penalty": 1.5})
+    assert done.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_vllm_bench_serve_payloads_stream_to_the_end(cluster, reference, chat):
+    """The exact bodies ``vllm bench serve --backend openai`` / ``openai-chat`` send (copies in
+    test_openai_api.py): 200, every token streamed, the usage chunk last, the greedy answer."""
+    import json
+    import urllib.request
+
+    from test_openai_api import VLLM_BENCH_CHAT, VLLM_BENCH_COMPLETIONS
+
+    model, tokenizer = reference
+    body = VLLM_BENCH_CHAT if chat else VLLM_BENCH_COMPLETIONS
+    url = f"http://127.0.0.1:{HTTP_PORT}/v1/{'chat/completions' if chat else 'completions'}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", "x-request-id": "b-1"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert r.status == 200
+        events = [line.removeprefix(b"data: ").decode() for line in r.read().split(b"\n\n") if line.strip()]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 8 and chunks[-1]["choices"] == []
+    text = "".join((c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"] for c in chunks if c["choices"])
+    if chat:
+        prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)["input_ids"])
+    else:
+        prompt = tokenizer("Hello there").input_ids
+    assert text == tokenizer.decode(reference_generate(model, prompt, 8, ignore_eos=True), skip_special_tokens=True)
+
+
 def test_openai_malformed_body_is_a_400(cluster):
     import json
     import urllib.error

@@ -454,3 +454,29 @@ def _anon_huge_kib() -> int:
         if line.startswith("AnonHugePages:"):
             return int(line.split()[1])
     return 0
+
+
+PENALTIES = [dict(repetition_penalty=2.0), dict(frequency_penalty=0.75), dict(presence_penalty=-1.5),
+             dict(repetition_penalty=0.5, frequency_penalty=-0.5, presence_penalty=1.0), {}]
+
+
+def test_penalties_batched_and_chunked_equal_generate_and_do_not_depend_on_the_batch():
+    """Each request's penalties read its own prompt and output only: batched with others
+    (penalised or not), chunked, and alone, its ids equal HF generate with the same penalties."""
+    model, reference = tiny_model("llama"), tiny_model("llama")
+    engine = Engine(model, EngineConfig(num_blocks=128, block_size=4, max_num_batched_tokens=32, chunk_size=8), EOS, 512)
+    prompts = random_prompts([3, 20, 9, 33, 1])
+    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=16, ignore_eos=True, **kw))
+            for i, (p, kw) in enumerate(zip(prompts, PENALTIES))]
+    for seq in seqs:
+        engine.add(seq)
+    run_to_completion(engine)
+    for seq, prompt, kw in zip(seqs, prompts, PENALTIES):
+        got = seq.token_ids[len(prompt):]
+        assert got == reference_generate(reference, prompt, 16, ignore_eos=True, **kw), kw
+        assert (got != reference_generate(reference, prompt, 16, ignore_eos=True)) == bool(kw), kw  # each penalty mattered
+    alone = Sequence("alone", list(prompts[1]), len(prompts[1]), SamplingParams(max_tokens=16, ignore_eos=True, **PENALTIES[1]))
+    engine.add(alone)
+    run_to_completion(engine)
+    assert alone.token_ids == seqs[1].token_ids
+    assert_all_blocks_free(engine)

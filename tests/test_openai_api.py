@@ -40,10 +40,51 @@ def test_wrong_types_are_refused_naming_the_field(field, value):
 
 
 @pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-                                          ("repetition_penalty", 1.3), ("n", 2), ("presence_penalty", 0.5)])
+                                          ("tool_choice", "required"), ("n", 2), ("min_p", 0.1), ("logit_bias", {"5": 1.0}),
+                                          ("functions", [{"name": "f"}])])
 def test_unsupported_parameters_are_refused_not_ignored(field, value):
     with pytest.raises(InvalidRequestError, match=f"unsupported parameter.*{field}"):
         parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], **{field: value})
+
+
+def test_tool_choice_and_parallel_tool_calls_with_tools_are_refused():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(InvalidRequestError, match="unsupported parameter.*parallel_tool_calls, tool_choice, tools"):
+        parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], tools=tools, tool_choice="auto",
+              parallel_tool_calls=False)
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted():
+    """What OpenAI does when a field is left out; LangChain and other clients send these by default."""
+    req = parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], response_format={"type": "text"},
+                tool_choice="none", parallel_tool_calls=False, tools=[], n=1, logit_bias={}, min_p=0.0, functions=[],
+                function_call="auto")
+    assert req.sampling_params(8).max_tokens == 8
+    parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], tool_choice="auto", parallel_tool_calls=True)
+
+
+def test_penalties_pass_through_with_vllms_names():
+    params = parse(oa.CompletionRequest, prompt="Hi", repetition_penalty=1.3, presence_penalty=0.5,
+                   frequency_penalty=-0.25).sampling_params(16)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.3, 0.5, -0.25)
+    with pytest.raises(InvalidRequestError, match="presence_penalty must be in"):
+        parse(oa.CompletionRequest, prompt="Hi", presence_penalty=3.0).sampling_params(16).validate(1, 100)
+
+
+# The bodies vLLM 0.32's ``vllm bench serve`` sends (vllm/benchmarks/lib/endpoint_request_func.py), with
+# --temperature 0 --ignore-eos; tests/test_e2e.py posts them to a running cluster.
+VLLM_BENCH_COMPLETIONS = {"model": "smollm2", "prompt": "Hello there", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+                          "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+VLLM_BENCH_CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}],
+                   "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+                   "temperature": 0.0}
+
+
+def test_vllm_bench_serve_payloads_parse():
+    completion = parse(oa.CompletionRequest, **VLLM_BENCH_COMPLETIONS)
+    assert completion.sampling_params(16).repetition_penalty == 1.0 and completion.num_logprobs() is None
+    chat = parse(oa.ChatCompletionRequest, **VLLM_BENCH_CHAT)
+    assert chat.messages[0].text() == "Hello there" and chat.sampling_params(16).ignore_eos
 
 
 def test_harmless_client_fields_are_accepted():

@@ -88,3 +88,39 @@ def test_token_logprob_is_log_softmax_with_top_alternatives():
     assert token_logprob(logits, 0, num_top=0).top == []
     with pytest.raises(InvalidRequestError, match="logprobs"):
         SamplingParams(logprobs=21).validate(1, 100)
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+    (SamplingParams(repetition_penalty=float("nan")), "repetition_penalty"),
+    (SamplingParams(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+    (SamplingParams(frequency_penalty=float("nan")), r"frequency_penalty must be in \[-2, 2\]"),
+])
+def test_bad_penalties_are_named(params, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        params.validate(5, 100)
+
+
+def test_penalties_follow_vllms_formula_exactly():
+    """vLLM's apply_penalties: repetition over prompt + output (positive logits times 1/p,
+    others times p), then - frequency * output count - presence * (seen in the output)."""
+    from pdserve.sampling import apply_penalties
+
+    logits = torch.tensor([2.0, -1.0, 3.0, 0.5, -2.0, 4.0])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    got = apply_penalties(logits, params, token_ids=[0, 1, 2, 2, 3], num_prompt_tokens=2)
+    # token 0, 1: prompt only (repetition); 2: output twice; 3: output once; 4, 5: unseen
+    assert got.tolist() == [1.0, -2.0, 1.5 - 1.0 - 0.25, 0.25 - 0.5 - 0.25, -2.0, 4.0]
+    assert logits.tolist() == [2.0, -1.0, 3.0, 0.5, -2.0, 4.0]  # the row itself is untouched
+
+
+def test_greedy_with_penalties_picks_from_the_penalised_logits():
+    logits = torch.tensor([0.0, 3.0, 2.5, 1.0])
+    assert sample(logits, SamplingParams(), position=3) == 1
+    # token 1 was generated once: frequency 1.0 brings it to 2.0, below token 2
+    assert sample(logits, SamplingParams(frequency_penalty=1.0), position=3, token_ids=[0, 1], num_prompt_tokens=1) == 2
+    # in the prompt only: frequency and presence ignore it, repetition does not
+    assert sample(logits, SamplingParams(presence_penalty=2.0), position=3, token_ids=[1, 0], num_prompt_tokens=2) == 1
+    assert sample(logits, SamplingParams(repetition_penalty=1.5), position=3, token_ids=[1, 0], num_prompt_tokens=2) == 2
+    # neutral values change nothing and need no history
+    assert sample(logits, SamplingParams(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0), position=3) == 1

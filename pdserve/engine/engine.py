@@ -154,7 +154,8 @@ class Engine:
             self.block_manager.mark_computed(seq, computed_before)
             if seq.num_uncomputed_tokens > 0:  # a prompt chunk; more to come
                 continue
-            token = sample(row, seq.params, position=seq.num_tokens, num_generated=seq.num_generated, eos_token_ids=self.eos_token_ids)
+            token = sample(row, seq.params, position=seq.num_tokens, num_generated=seq.num_generated, eos_token_ids=self.eos_token_ids,
+                           token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
             seq.token_ids.append(token)
             if seq.params.logprobs is not None:
                 seq.logprobs.append(token_logprob(row, token, seq.params.logprobs))
