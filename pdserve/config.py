@@ -58,6 +58,13 @@ class RouterConfig:
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
     # where Ray Serve runs its HTTP/gRPC proxies: EveryNode (any node takes requests) | HeadOnly
     proxy_location: str = "EveryNode"
+    # conditional disaggregation (router/placement.py): the decode replica prefills a prompt of at
+    # most local_prefill_max_tokens itself (0 = never), or one that would wait longer than
+    # local_prefill_queue_s for the prefill pool (null = never) while fewer than
+    # max_local_prefills of this router's requests prefill on decode
+    local_prefill_max_tokens: int = 0
+    local_prefill_queue_s: float | None = None
+    max_local_prefills: int = 1
 
 
 def _default_autoscaling() -> dict[str, Any]:
@@ -87,6 +94,9 @@ class PoolConfig:
     ray_actor_options: dict[str, Any] = field(
         default_factory=lambda: {"num_cpus": 1, "num_gpus": 0, "resources": {}}
     )
+    # torch threads of each replica's engine; null = ray_actor_options.num_cpus. More than
+    # num_cpus lets a prefill replica borrow an idle decode core (oversubscribed when both run)
+    num_threads: int | None = None
     kv_lease_s: float = 30.0  # prefill only: seconds a prompt's KV is held for decode
     # the engine (pdserve/engine): paged KV pool and batching
     block_size: int = 16  # tokens per KV block
@@ -228,6 +238,10 @@ class ClusterConfig:
             raise ConfigError("kv_transfer.chunk_bytes must be at least 1024")
         if self.router.proxy_location not in ("EveryNode", "HeadOnly"):
             raise ConfigError(f"router.proxy_location must be EveryNode or HeadOnly, not {self.router.proxy_location!r}")
+        if self.router.local_prefill_max_tokens < 0 or self.router.max_local_prefills < 0 or (
+                self.router.local_prefill_queue_s is not None and not self.router.local_prefill_queue_s >= 0):
+            raise ConfigError("router.local_prefill_max_tokens and router.max_local_prefills must be >= 0, "
+                              "router.local_prefill_queue_s null or >= 0")
         if self.router.max_retries < 0 or self.router.retry_backoff_s < 0:
             raise ConfigError("router.max_retries and router.retry_backoff_s must be >= 0")
         if self.router.max_in_flight < 1 or self.router.max_request_bytes < 1024 or not self.router.retry_after_s > 0:
@@ -252,6 +266,8 @@ class ClusterConfig:
             for key in ("decode_kernel", "prefill_kernel"):
                 if getattr(pool, key) is not None and not isinstance(getattr(pool, key), bool):  # 0 == False, but is no switch
                     raise ConfigError(f"{name}.{key} must be null (auto), true or false, not {getattr(pool, key)!r}")
+            if pool.num_threads is not None and (not isinstance(pool.num_threads, int) or isinstance(pool.num_threads, bool) or pool.num_threads < 1):
+                raise ConfigError(f"{name}.num_threads must be null (num_cpus) or a positive integer, not {pool.num_threads!r}")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
                 raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")
             try:

@@ -44,7 +44,7 @@ class RouterMetrics:
     def __init__(self, model: str):
         m = _metrics()
         if m is None:
-            self.ttft = self.itl = self.e2e = self.prompt_tokens = self.generation_tokens = self.finished = _Null()
+            self.ttft = self.itl = self.e2e = self.prompt_tokens = self.generation_tokens = self.finished = self.placement = _Null()
             return
         tags = {"model_name": model}
 
@@ -65,6 +65,8 @@ class RouterMetrics:
         self.generation_tokens = counter("pdserve_generation_tokens_total", "Output tokens streamed to clients")
         self.finished = counter("pdserve_request_success_total", "Finished requests by finished_reason (stop, length, abort)",
                                 ("model_name", "finished_reason"))
+        self.placement = counter("pdserve_prefill_placement_total", "Prefills by where they ran: remote (the prefill pool), "
+                                 "local_short / local_queued (the decode replica: a short prompt / a long prefill queue)", ("model_name", "where"))
 
 
 class PoolMetrics:

@@ -93,7 +93,7 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
     shared-memory file; one that offers cuda_ipc (on a GPU), a pool it can export.
     Returns the engine and this worker's KV fingerprint. Raises ConfigError.
     """
-    num_threads = assigned_num_cpus()
+    num_threads = getattr(cfg, pool_name).num_threads or assigned_num_cpus()
     torch.set_num_threads(num_threads)
     device = worker_device(cfg)
     model_dir = resolve_model_dir(cfg.model.path)

@@ -1,5 +1,6 @@
 """One request's path through the pools: prefill -> KV hand-off -> streamed decode, and
-what happens when a replica dies on the way.
+what happens when a replica dies on the way. (A short prompt, or one that would wait too
+long for the prefill pool, is prefilled by the decode replica itself: router/placement.py.)
 
 A request that ends before decode has acknowledged its KV (a client that left, a stop
 string, a failed decode) has prefill's lease released at once, over the KV channel at the
@@ -33,6 +34,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import time
 from typing import Any, AsyncIterator
 
 from ray.exceptions import RayActorError
@@ -41,6 +43,7 @@ from kv_transfer.base import KVHandle, KVReceiver
 from pdserve.errors import FirstTokenMissingError, KVTransferError, WorkerStalledError
 from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk
 from pdserve.sampling import SamplingParams
+from router.placement import PrefillPlacement
 from router.retries import Attempts, RetryPolicy
 
 log = logging.getLogger(__name__)
@@ -56,8 +59,9 @@ class RequestPath:
     mode); ``prefill_retries``/``decode_retries``: when each stage is sent again (router/retries.py)."""
 
     def __init__(self, prefill, decode, prefill_retries: RetryPolicy, decode_retries: RetryPolicy, layerwise: bool = False,
-                 kv_releaser: KVReceiver | None = None):
+                 kv_releaser: KVReceiver | None = None, placement: PrefillPlacement | None = None):
         self.prefill, self.decode = prefill, decode
+        self.placement = placement or PrefillPlacement()  # which pool prefills (router/placement.py); default: always prefill's
         self.kv_releaser = kv_releaser  # releases a lease at the replica that holds it, over the KV channel
         self.prefill_retries, self.decode_retries = prefill_retries, decode_retries
         self.layerwise = layerwise
@@ -69,19 +73,33 @@ class RequestPath:
     async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
         """The request's tokens as the pools produce them. Close it early (a stop string, a
         client that left) and both pools free what they hold at once."""
-        if self.prefill is None:  # colocated: one pool does it all
+        local = self.prefill is None or self.placement.choose_local(len(prompt_ids))
+        if local:  # colocated, or prefilled by the decode replica itself (router/placement.py)
             items = self._decode(DecodeRequest(request_id, prompt_ids, None, params, None), [])
+            prefilling = self.prefill is not None
+            if prefilling:
+                self.placement.started(True, len(prompt_ids))
             try:
                 async for item in items:
+                    if prefilling:  # the first token came: the local prefill is done
+                        prefilling = False
+                        self.placement.finished(True, len(prompt_ids))
                     yield item
             finally:
+                if prefilling:
+                    self.placement.finished(True, len(prompt_ids))
                 await items.aclose()  # at once, not at garbage collection: the pool frees the request now
             return
         early_decode = None  # layer-wise: the decode call, started while prefill runs
-        if self.layerwise and params.max_tokens > 1:
-            first, early_decode = await self._prefill_layerwise(PrefillRequest(request_id, prompt_ids, params))
-        else:
-            first = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
+        ahead, start, took = self.placement.started(False, len(prompt_ids)), time.perf_counter(), None
+        try:
+            if self.layerwise and params.max_tokens > 1:
+                first, early_decode = await self._prefill_layerwise(PrefillRequest(request_id, prompt_ids, params))
+            else:
+                first = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
+            took = time.perf_counter() - start
+        finally:
+            self.placement.finished(False, len(prompt_ids), took, ahead)
         first_logprobs = [first.first_logprob] if first.first_logprob else None
         if first.finish_reason is not None:  # done after one token: decode never runs
             if early_decode is not None:

@@ -37,6 +37,7 @@ from pdserve.sampling import SamplingParams
 from pdserve.worker import max_model_len
 from router.admission import Admission, metadata_value
 from router.errors import grpc_status_for, retry_after_s
+from router.placement import PrefillPlacement
 from router.request_path import RequestPath
 from router.retries import RetryPolicy
 from router.stop_strings import StopStringMatcher
@@ -91,7 +92,9 @@ class Router:
                                 RetryPolicy.for_pool(self.cfg.prefill, r.max_retries, r.retry_backoff_s, exponential=True),
                                 RetryPolicy.for_pool(decode_pool, r.max_retries, r.retry_backoff_s, exponential=False),
                                 self.cfg.kv_transfer.layerwise,
-                                make_receiver(self.cfg.kv_transfer, secret=self.cfg.security.kv_secret) if prefill is not None else None)
+                                make_receiver(self.cfg.kv_transfer, secret=self.cfg.security.kv_secret) if prefill is not None else None,
+                                PrefillPlacement(r.local_prefill_max_tokens, r.local_prefill_queue_s, r.max_local_prefills,
+                                                 lambda where: self.metrics.placement.inc(tags={"where": where})))
 
     # -- parsing ---------------------------------------------------------------
 
@@ -189,8 +192,10 @@ class Router:
 
     async def stats(self) -> dict[str, int]:
         """Admission, retry and migration counters (for tests and operators, through a deployment handle)."""
+        placement = self.path.placement.stats
         return {**self.admission.stats(), "num_prefill_retries": self.path.num_prefill_retries, "num_migrations": self.path.num_migrations,
-                "num_resent": self.path.num_resent}
+                "num_resent": self.path.num_resent, "num_prefill_remote": placement.num_remote,
+                "num_prefill_local_short": placement.num_local_short, "num_prefill_local_queued": placement.num_local_queued}
 
     # -- OpenAI-compatible HTTP -------------------------------------------------
 

