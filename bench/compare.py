@@ -125,8 +125,8 @@ class Meter:
     """``vllm bench serve`` against one system: random prompts of ``input_len`` (+-``ratio``)
     tokens, ``output_len`` (+-``ratio``) output tokens, greedy, ``ignore_eos``."""
 
-    def __init__(self, args, out: Path):
-        self.args, self.out = args, out / "runs"
+    def __init__(self, args, runs: Path):
+        self.args, self.out = args, runs  # each run's detailed JSON (prompts' texts too: kept out of docs/)
         self.out.mkdir(parents=True, exist_ok=True)
         self.seeds = iter(range(args.seed, args.seed + 10**6))
 
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for one vllm bench serve run")
     p.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
     p.add_argument("--out", default=str(ROOT / "docs"))
+    p.add_argument("--runs", default=str(ROOT / "bench/out/compare-runs"), help="where each vllm bench serve run's JSON goes")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     from pdserve.config import ClusterConfig
     from pdserve.model_loader import resolve_dtype
 
-    meter = Meter(args, out)
+    meter = Meter(args, Path(args.runs))
     vllm_version = subprocess.run([str(VLLM_VENV / "bin/python"), "-c", "import vllm; print(vllm.__version__)"],
                                   capture_output=True, text=True).stdout.strip()
     dtype = resolve_dtype(ClusterConfig.from_dict({}))  # what `model.dtype: auto` serves here; the peer gets the same
@@ -373,22 +374,12 @@ def table(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from bench.goodput import plot_attainment
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for label, run in result["systems"].items():
-        ax.plot([p["rate"] for p in run["points"]], [p["attainment"] for p in run["points"]], "o-", label=run["system"])
-    ax.axhline(result["attainment_target"], color="k", linestyle=":", label="target")
     m = result["machine"]
-    ax.set(xscale="log", xlabel="offered request rate (req/s, Poisson)", ylabel="share meeting both SLOs", ylim=(0, 1.05),
-           title=f"{result['date']} {m.get('cpu', '')}, {result['dtype']}: TTFT <= {result['ttft_slo_s']} s, TPOT <= {result['tpot_slo_s']} s")
-    ax.title.set_fontsize(9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    title = f"{result['date']} {m.get('cpu', '')}, {result['dtype']}: TTFT <= {result['ttft_slo_s']} s, TPOT <= {result['tpot_slo_s']} s"
+    curves = [(run["system"], [p["rate"] for p in run["points"]], [p["attainment"] for p in run["points"]]) for run in result["systems"].values()]
+    plot_attainment(curves, result["attainment_target"], title, path)
 
 
 if __name__ == "__main__":

@@ -97,18 +97,26 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def plot(runs: list[dict], path: Path) -> None:
+    """Attainment-vs-rate curves of ``runs`` (this module's JSON) on one figure."""
+    title = f"{Path(runs[0]['dataset']).name}: TTFT <= {runs[0]['ttft_slo_s']} s, TPOT <= {runs[0]['tpot_slo_s']} s"
+    plot_attainment([(run["label"], [p["rate"] for p in run["points"]], [p["slo_attainment"] for p in run["points"]]) for run in runs],
+                    runs[0]["attainment_target"], title, path)
+
+
+def plot_attainment(curves: list[tuple[str, list[float], list[float]]], target: float, title: str, path: Path) -> None:
+    """One figure: SLO attainment (0-1) against request rate (req/s, log axis) per (label, rates,
+    attainments), with the target as a dotted line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for run in runs:
-        ax.plot([p["rate"] for p in run["points"]], [p["slo_attainment"] for p in run["points"]], "o-", label=run["label"])
-    ax.axhline(runs[0]["attainment_target"], color="k", linestyle=":", label="target")
-    ax.set(xscale="log", xlabel="request rate (req/s)", ylabel="SLO attainment", ylim=(0, 1.05),
-           title=f"{Path(runs[0]['dataset']).name}: TTFT <= {runs[0]['ttft_slo_s']} s, TPOT <= {runs[0]['tpot_slo_s']} s")
-    ax.title.set_fontsize(10)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, rates, attainments in curves:
+        ax.plot(rates, attainments, "o-", label=label)
+    ax.axhline(target, color="k", linestyle=":", label="target")
+    ax.set(xscale="log", xlabel="offered request rate (req/s, Poisson)", ylabel="share meeting both SLOs", ylim=(0, 1.05), title=title)
+    ax.title.set_fontsize(9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -66,6 +66,25 @@ def engine_step_s(batch: int, prompt: int, output: int) -> float:
     return statistics.fmean(times[2:])  # the first steps warm the caches
 
 
+def engine_prefill_s(prompt: int, repeats: int = 3) -> float:
+    """Median seconds of the prefill pool's engine to prefill one ``prompt``-token prompt (first token included)."""
+    from pdserve.config import ClusterConfig
+    from pdserve.engine.sequence import Sequence
+    from pdserve.sampling import SamplingParams
+    from pdserve.worker import build_engine
+
+    engine, _ = build_engine(ClusterConfig.from_dict({}), "prefill")
+    gen, times = torch.Generator().manual_seed(prompt), []
+    for i in range(repeats + 1):
+        seq = Sequence(f"p{i}", torch.randint(100, 40000, (prompt,), generator=gen).tolist(), prompt, SamplingParams(max_tokens=1))
+        engine.add(seq)
+        start = time.perf_counter()
+        while engine.scheduler.has_work():
+            engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def cpu_seconds() -> dict[int, tuple[str, float]]:
     """pid -> (process name, user + system CPU seconds so far) for every process."""
     out = {}
@@ -123,8 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(1)
     engine = {b: engine_step_s(b, args.prompt, args.output) for b in batches}
+    prefill = engine_prefill_s(args.prompt)
     for b, s in engine.items():
         print(f"engine alone, batch {b}: {s * 1e3:.1f} ms/step", flush=True)
+    print(f"engine alone, prefill of {args.prompt} tokens: {prefill * 1e3:.0f} ms", flush=True)
     cli = [sys.executable, "-m", "pdserve.cli"]
     subprocess.run([*cli, "up", *([args.config] if args.config else []), "--redeploy"], check=True, cwd=ROOT, timeout=900)
     rows = []
@@ -134,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
             ratio = figures["tpot_p50_s"] / engine[b]
             print(f"served, {b} in flight: TPOT p50 {figures['tpot_p50_s'] * 1e3:.1f} ms = {ratio:.2f}x the engine step; CPU (cores): {shares}",
                   flush=True)
-            rows.append({"batch": b, "engine_step_s": engine[b], **figures, "tpot_over_engine_step": ratio, "cpu_cores_by_process": shares})
+            rows.append({"batch": b, "engine_step_s": engine[b], **figures, "tpot_over_engine_step": ratio, "engine_prefill_s": prefill,
+                         "ttft_over_engine_prefill": figures["ttft_p50_s"] / prefill, "cpu_cores_by_process": shares})
     finally:
         subprocess.run([*cli, "down"], cwd=ROOT, timeout=300)
     targets = {1: 1.10, 8: 1.25}

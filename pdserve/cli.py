@@ -62,10 +62,14 @@ def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
     except ConnectionError:
         pass
     typer.echo("Starting a local Ray head node ...", err=True)
+    # Ray's workers run at nice 15 by default: Serve's proxies (on every request's path) and the
+    # replicas would yield their cores to any other process. The replicas set themselves back
+    # to 0 where they may (pdserve.worker.normal_priority); here the whole node starts at 0.
+    env = {**os.environ, "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
     subprocess.run(
         [_ray_cli(), "start", "--head", "--disable-usage-stats", "--include-dashboard=false", f"--num-cpus={os.cpu_count()}",
          f"--metrics-export-port={metrics_export_port}"],
-        check=True, stdout=subprocess.DEVNULL,
+        check=True, stdout=subprocess.DEVNULL, env=env,
     )
     ray.init(address="auto", log_to_driver=False)
     return True

@@ -63,6 +63,9 @@ class RouterConfig:
     # local_prefill_queue_s for the prefill pool (null = never) while fewer than
     # max_local_prefills of this router's requests prefill on decode
     local_prefill_max_tokens: int = 0
+    # prefill replica per prompt by cached prefix against queued tokens (router/prefix_routing.py);
+    # false = Ray Serve's power of two choices
+    prefix_routing: bool = True
     local_prefill_queue_s: float | None = None
     max_local_prefills: int = 1
 

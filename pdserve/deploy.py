@@ -35,6 +35,16 @@ def _pool_options(name: str, pool: PoolConfig) -> dict:
     }
 
 
+def prefix_router_config(pool: PoolConfig):
+    """Ray Serve's request router for the prefill pool: router/prefix_routing.py, told the
+    pool's block size and (roughly) its KV pool in blocks."""
+    from ray.serve.config import RequestRouterConfig
+
+    tokens = pool.kv_cache_tokens or 32768
+    return RequestRouterConfig(request_router_class="router.prefix_routing.PrefixAwareRouter",
+                               request_router_kwargs={"block_size": pool.block_size, "capacity_blocks": max(1, tokens // pool.block_size)})
+
+
 def app_config(cfg: ClusterConfig) -> dict:
     """The cluster.yaml mapping every deployment of the app is built with: ``cfg`` with what
     must be settled once, where pdserve is deployed from: secrets given as "env:NAME", and
@@ -57,7 +67,10 @@ def build_app(cfg: ClusterConfig) -> serve.Application:
         prefill = None
         decode = serve.deployment(DecodeServer).options(**_pool_options("colocated", cfg.colocated)).bind(config, "colocated")
     else:
-        prefill = serve.deployment(PrefillServer).options(**_pool_options("prefill", cfg.prefill)).bind(config)
+        options = _pool_options("prefill", cfg.prefill)
+        if cfg.router.prefix_routing:
+            options["request_router_config"] = prefix_router_config(cfg.prefill)
+        prefill = serve.deployment(PrefillServer).options(**options).bind(config)
         decode = serve.deployment(DecodeServer).options(**_pool_options("decode", cfg.decode)).bind(config)
     router = serve.deployment(Router).options(
         name="router",

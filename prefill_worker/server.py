@@ -16,7 +16,7 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import PrefillRequest, PrefillResult, PrefillStarted
 from pdserve.metrics import PoolMetrics
-from pdserve.worker import PREFILL_DEADLINE_S, build_engine, rss_bytes
+from pdserve.worker import PREFILL_DEADLINE_S, build_engine, normal_priority, replica_name, rss_bytes
 
 
 
@@ -38,6 +38,7 @@ class PrefillServer:
         self.cfg = ClusterConfig.from_dict(config)
         self.pool_cfg = self.cfg.prefill
         self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
+        self.replica = replica_name()  # which replica answered a stats call (prefix-routing tests)
         self.engine, fingerprint = build_engine(self.cfg, "prefill")
         self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s)
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or _node_ip(), fingerprint=fingerprint,
@@ -48,6 +49,7 @@ class PrefillServer:
         self.ttft = LatencyWindow()  # seconds from arrival to first token, for autoscaling on TTFT
         self.busy = BusyMeter()  # busy fraction between autoscaling reports
         self.metrics = PoolMetrics("prefill", self.cfg.model.path, self._stats)
+        normal_priority()  # Ray's workers run at nice 15: the engine must not yield its core to every other process
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Raises InvalidRequestError for a request that breaks the shared limits,
@@ -130,7 +132,8 @@ class PrefillServer:
         return replica_stats(self.engine.stats(), self.ttft, "ttft", self.busy)
 
     def _stats(self) -> dict[str, int]:
-        return {"num_requests": self.num_requests, "rss_bytes": rss_bytes(), "node_id": self.node_id, **self.engine.stats(), **self.kv_sender.stats()}
+        return {"num_requests": self.num_requests, "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica,
+                **self.engine.stats(), **self.kv_sender.stats()}
 
     def check_health(self) -> None:
         """Ray Serve's health check: fails if the engine thread died or one step hangs."""
