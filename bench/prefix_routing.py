@@ -66,19 +66,26 @@ async def send(prompts: list[list[int]], rate: float | None, seed: int) -> list[
         return list(await asyncio.gather(*tasks))
 
 
-def prefill_hits() -> tuple[int, int]:
-    """(prefix-hit blocks, prompt tokens computed) summed over the prefill replicas."""
-    import ray
-    from ray import serve as rs
+_HITS = """
+import json, ray
+from ray import serve
+ray.init(address="auto", log_to_driver=False)
+handle, seen = serve.get_deployment_handle("prefill", app_name="pdserve"), {}
+for _ in range(200):
+    s = handle.stats.remote().result()
+    seen[s["replica"]] = s
+    if len(seen) == 2:
+        break
+print(json.dumps([sum(s["num_prefix_hit_blocks"] for s in seen.values()), sum(s["num_tokens_computed"] for s in seen.values())]))
+"""
 
-    ray.init(address="auto", log_to_driver=False, ignore_reinit_error=True)
-    handle, seen = rs.get_deployment_handle("prefill", app_name="pdserve"), {}
-    for _ in range(200):
-        s = handle.stats.remote().result()
-        seen[s["replica"]] = s
-        if len(seen) == 2:
-            break
-    return sum(s["num_prefix_hit_blocks"] for s in seen.values()), sum(s["num_tokens_computed"] for s in seen.values())
+
+def prefill_hits() -> tuple[int, int]:
+    """(prefix-hit blocks, prompt tokens computed) summed over the prefill replicas (asked from a
+    process of its own: a Ray connection in this one would outlive the cluster it was made for)."""
+    done = subprocess.run([sys.executable, "-c", _HITS], capture_output=True, text=True, check=True, timeout=300)
+    hits, computed = json.loads(done.stdout.strip().splitlines()[-1])
+    return hits, computed
 
 
 def main(argv: list[str] | None = None) -> dict:
