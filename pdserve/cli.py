@@ -62,9 +62,10 @@ def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
     except ConnectionError:
         pass
     typer.echo("Starting a local Ray head node ...", err=True)
-    # Ray's workers run at nice 15 by default: Serve's proxies (on every request's path) and the
-    # replicas would yield their cores to any other process. The replicas set themselves back
-    # to 0 where they may (pdserve.worker.normal_priority); here the whole node starts at 0.
+    # Ray starts its workers at nice 15 by default: the replicas and Serve's proxy (on every
+    # request's path) would yield their cores to any other process on the node, a load
+    # generator for one. The whole node at 0 keeps Serve's controller level with the replicas
+    # too (a controller left at 15 behind busy replicas stops autoscaling).
     env = {**os.environ, "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
     subprocess.run(
         [_ray_cli(), "start", "--head", "--disable-usage-stats", "--include-dashboard=false", f"--num-cpus={os.cpu_count()}",

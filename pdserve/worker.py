@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -30,25 +29,6 @@ def assigned_num_cpus(default: int = 1) -> int:
     except Exception:  # not inside a Ray worker
         cpus = None
     return max(1, int(cpus)) if cpus else default
-
-
-def normal_priority(niceness: int = 0) -> bool:
-    """Set every thread of this process to ``niceness`` (0: the default priority); threads it
-    starts later inherit it. Ray starts its workers at nice 15 (its ``worker_niceness``), so a
-    replica would yield the core to anything else on the node: on a 2-core machine, a load
-    generator at nice 0 took the CPU from prefill and decode steps. Lowering the niceness needs
-    root or CAP_SYS_NICE; without it this logs a warning once and returns False (start Ray with
-    ``RAY_worker_niceness=0`` instead)."""
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-        except PermissionError:
-            log.warning("cannot set this replica's threads to nice %d (no CAP_SYS_NICE); they keep Ray's worker "
-                        "niceness. Start Ray with RAY_worker_niceness=0 for full priority.", niceness)
-            return False
-        except (OSError, ValueError):  # the thread ended meanwhile
-            continue
-    return True
 
 
 def replica_name() -> str:

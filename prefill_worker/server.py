@@ -16,7 +16,7 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import PrefillRequest, PrefillResult, PrefillStarted
 from pdserve.metrics import PoolMetrics
-from pdserve.worker import PREFILL_DEADLINE_S, build_engine, normal_priority, replica_name, rss_bytes
+from pdserve.worker import PREFILL_DEADLINE_S, build_engine, replica_name, rss_bytes
 
 
 
@@ -49,7 +49,6 @@ class PrefillServer:
         self.ttft = LatencyWindow()  # seconds from arrival to first token, for autoscaling on TTFT
         self.busy = BusyMeter()  # busy fraction between autoscaling reports
         self.metrics = PoolMetrics("prefill", self.cfg.model.path, self._stats)
-        normal_priority()  # Ray's workers run at nice 15: the engine must not yield its core to every other process
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Raises InvalidRequestError for a request that breaks the shared limits,

@@ -34,7 +34,7 @@ from pdserve.metrics import RouterMetrics
 from pdserve.model_loader import load_tokenizer, resolve_model_dir
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
-from pdserve.worker import max_model_len, normal_priority
+from pdserve.worker import max_model_len
 from router.admission import Admission, metadata_value
 from router.errors import grpc_status_for, retry_after_s
 from router.placement import PrefillPlacement
@@ -95,7 +95,6 @@ class Router:
                                 make_receiver(self.cfg.kv_transfer, secret=self.cfg.security.kv_secret) if prefill is not None else None,
                                 PrefillPlacement(r.local_prefill_max_tokens, r.local_prefill_queue_s, r.max_local_prefills,
                                                  lambda where: self.metrics.placement.inc(tags={"where": where})))
-        normal_priority()  # on the request path too: not behind every other process on the node (Ray's nice 15)
 
     # -- parsing ---------------------------------------------------------------
 

@@ -11,6 +11,9 @@ import torch
 # for raylets joining them, and caches the mode per process: every Ray these tests start
 # (local clusters, the multi-node test's raylets, `pdserve up`) runs without it.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray's workers at nice 0, as `pdserve up` starts its Ray (pdserve/cli.py): at Ray's default of
+# 15 every replica yields its core to the tests' own client threads.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def tiny_model(family: str, seed: int = 0):
