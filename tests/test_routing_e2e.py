@@ -77,7 +77,8 @@ def test_a_shared_system_prompt_stays_on_its_replica_and_distinct_prompts_spread
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda p: cluster.generate(prompt_token_ids=p, max_tokens=2, ignore_eos=True), prompts))
     spread = delta(prefill_replicas(), after, "num_tokens_computed")
-    assert min(spread.values()) >= 900, spread  # at least 3 of the 8 prompts on each replica
+    # both replicas take some (how many depends on when each finishes: the cost counts queued tokens)
+    assert min(spread.values()) >= 300 and sum(spread.values()) == 8 * 300, spread
 
 
 def test_short_prompts_prefill_on_decode_and_equal_the_reference(cluster, reference):
