@@ -1,12 +1,11 @@
 """Where a forward's time goes: linear layers, attention over the KV blocks, and the rest.
 
-Inside real engine steps, ``timed_components`` times every ``nn.Linear`` call (forward
-pre/post hooks on each layer, the LM head included), every call of the registered
-attention function (``pdserve_paged``: storing the new K/V, gathering blocks, the attention
-kernel) and the whole model forward. "other" is the forward minus those two: norms,
-rotary, activations, residual adds and the Python between ops. Sampling and the
-scheduler are outside the forward and not counted. The hooks cost about 2 us per call
-(~210 linear and 30 attention calls per forward), which lands in "other".
+Inside real engine steps, ``timed_components`` times every call of the engine backend's
+``linear`` (the LM head included) and ``forward`` (attention: storing the new K/V and the
+kernel), and the whole model forward. "other" is the forward minus those two: norms,
+rotary, activation, embedding and the Python between calls. Sampling and the scheduler
+are outside the forward and not counted. The timers cost about 1 us per call (~120 linear
+and 30 attention calls per forward of the bundled model), which lands in "other".
 """
 
 from __future__ import annotations
@@ -15,48 +14,38 @@ import time
 from contextlib import contextmanager
 
 import torch
-from transformers import AttentionInterface
-
-from pdserve.engine import attention
 
 
 @contextmanager
-def timed_components(model):
-    """Yields a dict that, on exit, holds per-forward means in seconds:
-    ``forward_s``, ``linear_s``, ``attention_s``, ``other_s`` and ``num_forwards``."""
+def timed_components(engine):
+    """Yields a dict that, on exit, holds per-forward means in seconds: ``forward_s``,
+    ``linear_s``, ``attention_s``, ``other_s`` and ``num_forwards``. The backend and model
+    are as they were afterwards (the timers are instance attributes, removed on exit)."""
     totals = {"forward_s": 0.0, "linear_s": 0.0, "attention_s": 0.0, "num_forwards": 0}
-    starts: dict[int, float] = {}
+    backend, model = engine.backend, engine.model
 
-    def pre(module, args):
-        starts[id(module)] = time.perf_counter()
+    def timed(obj, name, key, count=False):
+        original = getattr(obj, name)
 
-    def post_linear(module, args, out):
-        totals["linear_s"] += time.perf_counter() - starts.pop(id(module))
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[key] += time.perf_counter() - start
+                totals["num_forwards"] += count
 
-    def post_forward(module, args, out):
-        totals["forward_s"] += time.perf_counter() - starts.pop(id(module))
-        totals["num_forwards"] += 1
+        setattr(obj, name, wrapper)
 
-    def timed_attention(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            totals["attention_s"] += time.perf_counter() - start
-
-    original = AttentionInterface._global_mapping[attention.ATTN_IMPLEMENTATION]
-    handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post_forward)]
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post_linear)]
-    AttentionInterface.register(attention.ATTN_IMPLEMENTATION, timed_attention)
+    timed(backend, "linear", "linear_s")
+    timed(backend, "forward", "attention_s")
+    timed(model, "forward", "forward_s", count=True)
     result: dict[str, float] = {}
     try:
         yield result
     finally:
-        AttentionInterface.register(attention.ATTN_IMPLEMENTATION, original)
-        for handle in handles:
-            handle.remove()
+        for obj, name in ((backend, "linear"), (backend, "forward"), (model, "forward")):
+            delattr(obj, name)
         n = max(totals["num_forwards"], 1)
         result.update({k: totals[k] / n for k in ("forward_s", "linear_s", "attention_s")})
         result["other_s"] = result["forward_s"] - result["linear_s"] - result["attention_s"]
@@ -64,12 +53,12 @@ def timed_components(model):
 
 
 def weight_bytes(model) -> int:
-    """Bytes of every parameter (tied ones once): what a decode step's roofline counts."""
+    """Bytes of every parameter of an HF model (tied ones once): what a decode step's roofline counts."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def linear_bytes(model) -> int:
-    """Bytes of every nn.Linear weight (what a decode step's linear layers must read)."""
+    """Bytes of every nn.Linear weight of an HF model (what a decode step's linear layers must read)."""
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 

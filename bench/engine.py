@@ -1,18 +1,16 @@
 """Engine benchmark: decode step time vs batch size and prefill throughput vs prompt length,
-for pdserve's engine and for HF transformers eager (its default DynamicCache), against the
-hardware limits measured in the same run.
+for pdserve's engine (its default backend, engine/backends) and for HF transformers eager
+(its default DynamicCache), against the hardware limits measured in the same run.
 
 Run: ``bash bench/run.sh`` (or ``python -m bench.engine --help``). Writes a table to stdout,
 and ``bench/out/engine.json`` and ``bench/out/engine.png``.
 
 Roofline for a decode step (memory-bound): bytes read = weight bytes + KV bytes of every
-sequence's context, divided by the measured read bandwidth. Prefill FLOPs: 2
-x decoder-layer parameters x tokens + 4 x layers x heads x head_dim x T^2 / 2 (causal attention, QK^T and PV),
-plus the LM head for the last token (Kaplan et al. 2020, sec. 2.1; Chowdhery et al. 2022, app. B).
-
-Last, ``bench/floors.py`` measures a narrow twin of the model (same layers, heads and
-context, widths shrunk) through the same engine: the step's cost outside the linear layers'
-weights, from which ``targets`` gets the best ratio each decode target could reach here.
+sequence's context, divided by the measured read bandwidth. Its compute floor: the step's
+matmul FLOPs over the same run's matmul peak; a batch-B step's floor is the larger of the
+two. Prefill FLOPs: 2 x decoder-layer parameters x tokens + 4 x layers x heads x head_dim x
+T^2 / 2 (causal attention, QK^T and PV), plus the LM head for the last token (Kaplan et al.
+2020, sec. 2.1; Chowdhery et al. 2022, app. B).
 
 It also splits the forwards of the batch-1 and batch-32 decode steps and of the 2,048-token
 prefill into linear layers, attention and the rest (``bench/breakdown.py``), with the read
@@ -32,7 +30,7 @@ from transformers import DynamicCache
 
 from bench import hardware
 from bench.breakdown import linear_bytes, linear_flops, timed_components, weight_bytes
-from bench.floors import best_ratios, decode_floors
+from pdserve.engine.cpu import ops
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.model_loader import load_model, resolve_model_dir
@@ -59,14 +57,14 @@ def breakdowns(model, engine: Engine, batches: list[int], context: int, prompt_l
     out = {}
     peak = hw["matmul_bf16_flops" if model.dtype == torch.bfloat16 else "matmul_fp32_flops"]
     for batch in [b for b in (1, 32) if b in batches]:
-        with timed_components(model) as parts:
+        with timed_components(engine) as parts:
             pdserve_decode_step(engine, batch, context, repeats)
         parts["linear_read_bytes_per_s"] = linear_bytes(model) / parts["linear_s"]
         parts["linear_fraction_of_read_bw"] = parts["linear_read_bytes_per_s"] / hw["mem_read_bytes_per_s"]
         parts["linear_flops_per_s"] = linear_flops(model, batch, lm_head_tokens=batch) / parts["linear_s"]
         parts["linear_fraction_of_matmul_peak"] = parts["linear_flops_per_s"] / peak
         out[f"decode_b{batch}"] = parts
-    with timed_components(model) as parts:
+    with timed_components(engine) as parts:
         pdserve_prefill(engine, prompt_length, repeats)
     parts["linear_flops_per_s"] = linear_flops(model, prompt_length) / parts["linear_s"]
     parts["attention_flops_per_s"] = attention_flops(model, prompt_length) / parts["attention_s"]
@@ -143,9 +141,22 @@ def hf_prefill(model, num_tokens: int, repeats: int) -> float:
         return _timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), repeats)
 
 
+def random_model(dtype: str, device: str):
+    """SmolLM2-135M's shape (its config.json) with random weights: decode and prefill cost the
+    same as the real model's, and nothing has to be carried to the machine."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model", default="smollm2", help="a model spec (model_loader), or random:smollm2 for random weights of its shape (no files needed)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a worker's num_cpus)")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64")
@@ -153,9 +164,11 @@ def main() -> None:
     parser.add_argument("--prompt-lengths", default="128,256,512,1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (then the hardware limits are the GPU's: HBM read, matmul)")
+    parser.add_argument("--no-plot", action="store_true", help="skip engine.png (no matplotlib needed)")
+    parser.add_argument("--backend", default="auto", help="the engine's compute backend: auto, cpu, torch or cuda")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args()
-    if importlib.util.find_spec("matplotlib") is None:  # fail before minutes of measuring, not at the plot
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # fail before minutes of measuring, not at the plot
         parser.error("matplotlib is missing (it draws engine.png): bash scripts/install.sh bench, or run bash bench/run.sh")
     global DEVICE
     DEVICE = args.device
@@ -166,92 +179,84 @@ def main() -> None:
     hw = hardware.measure(args.device)
     machine = f"machine: {hw['cpu']} [{hw['cpu_flags']}]{' / ' + hw['gpu'] if 'gpu' in hw else ''}, torch {hw['torch']}"
     print(machine, flush=True)
-    model = load_model(resolve_model_dir(args.model), args.dtype, args.device)
-    reference = load_model(resolve_model_dir(args.model), args.dtype, args.device)  # plain HF (sdpa), never repatched
+    model = random_model(args.dtype, args.device) if args.model == "random:smollm2" else load_model(resolve_model_dir(args.model), args.dtype, args.device)  # HF eager runs it too
     blocks_per_seq = -(-(args.context + args.repeats + 2) // 16)
     num_blocks = max(max(batches) * blocks_per_seq, -(-max(lengths) // 16)) + 8
-    config = EngineConfig(num_blocks=num_blocks, max_num_seqs=max(batches), enable_prefix_caching=False)
+    config = EngineConfig(num_blocks=num_blocks, max_num_seqs=max(batches), enable_prefix_caching=False, backend=args.backend)
     engine = Engine(model, config, frozenset(), 8192)
-    # the same weights, attention by torch SDPA instead of pdserve's C kernels (decode: gathered blocks)
-    gather = Engine(model, EngineConfig(**{**config.__dict__, "decode_kernel": False, "prefill_kernel": False}), frozenset(), 8192)
+    isa = ops.isa() if engine.backend.name == "cpu" else None
+    print(f"backend {engine.backend.name}{f' ({isa})' if isa else ''}, {args.dtype}, {args.threads} thread(s)", flush=True)
     bytes_per_token = engine.kv_spec.bytes_per_token
     weights = weight_bytes(model)
+    peak = hw["matmul_bf16_flops" if args.dtype == "bfloat16" else "matmul_fp32_flops"]
+    instruction_peak = hw.get("bf16_instruction_peak_flops" if args.dtype == "bfloat16" else "f32_instruction_peak_flops")
 
     decode = []
     for batch in batches:
         ours = pdserve_decode_step(engine, batch, args.context, args.repeats)
-        ours_gather = pdserve_decode_step(gather, batch, args.context, args.repeats)
-        hf = hf_decode_step(reference, batch, args.context, args.repeats)
+        hf = hf_decode_step(model, batch, args.context, args.repeats)
         roofline = (weights + batch * args.context * bytes_per_token) / hw["mem_read_bytes_per_s"]
-        decode.append({"batch": batch, "pdserve_s": ours, "pdserve_gather_sdpa_s": ours_gather, "hf_eager_s": hf,
-                       "roofline_s": roofline, "pdserve_over_roofline": ours / roofline})
-        print(f"decode batch {batch:3d}: pdserve {ours * 1e3:7.1f} ms  (gather + SDPA {ours_gather * 1e3:7.1f} ms)  "
-              f"hf {hf * 1e3:7.1f} ms  roofline {roofline * 1e3:6.1f} ms  ({ours / roofline:.2f}x)", flush=True)
+        flops = linear_flops(model, batch, lm_head_tokens=batch) + batch * attention_flops(model, 1) * 2 * args.context  # QK^T, PV over the context
+        floor = max(roofline, flops / peak)
+        decode.append({"batch": batch, "pdserve_s": ours, "hf_eager_s": hf, "roofline_s": roofline, "flops": flops, "floor_s": floor,
+                       "pdserve_over_roofline": ours / roofline, "pdserve_over_floor": ours / floor})
+        print(f"decode batch {batch:3d}: pdserve {ours * 1e3:7.1f} ms  hf {hf * 1e3:7.1f} ms  roofline {roofline * 1e3:6.1f} ms "
+              f"({ours / roofline:.2f}x)  floor {floor * 1e3:6.1f} ms ({ours / floor:.2f}x)", flush=True)
 
     prefill = []
     for n in lengths:
         ours = pdserve_prefill(engine, n, args.repeats)
-        ours_sdpa = pdserve_prefill(gather, n, args.repeats) if engine.runner.prefill_kernel else ours
-        hf = hf_prefill(reference, n, args.repeats)
+        hf = hf_prefill(model, n, args.repeats)
         flops = prefill_flops(model, n)
-        peak = hw["matmul_bf16_flops" if args.dtype == "bfloat16" else "matmul_fp32_flops"]
         prefill.append({
             "tokens": n, "pdserve_s": ours, "hf_eager_s": hf, "pdserve_tokens_per_s": n / ours, "hf_tokens_per_s": n / hf,
             "pdserve_flops": flops / ours, "fraction_of_matmul_peak": flops / ours / peak,
-            "pdserve_sdpa_s": ours_sdpa, "pdserve_sdpa_tokens_per_s": n / ours_sdpa, "sdpa_fraction_of_matmul_peak": flops / ours_sdpa / peak,
+            "fraction_of_instruction_peak": flops / ours / instruction_peak if instruction_peak else None,
         })
         print(f"prefill {n:5d} tokens: pdserve {n / ours:7.0f} tok/s ({flops / ours / peak:.0%} of matmul peak)  "
-              f"(SDPA {n / ours_sdpa:7.0f} tok/s)  hf {n / hf:7.0f} tok/s", flush=True)
+              f"hf {n / hf:7.0f} tok/s", flush=True)
 
-    # CPU only: the hooks time host calls, which on a GPU are asynchronous launches (and a
-    # CUDA graph replay runs no hooks at all)
+    # CPU only: the timers time host calls, which on a GPU are asynchronous launches (and a
+    # CUDA graph replay runs no Python at all)
     breakdown = breakdowns(model, engine, batches, args.context, 2048 if 2048 in lengths else max(lengths), args.repeats, hw) if DEVICE == "cpu" else {}
-
-    floors = decode_floors(model, config, pdserve_decode_step, batches, args.context, args.repeats, hw) if DEVICE == "cpu" else {}
-    for name, f in floors.items():
-        print(f"narrow twin, decode {name}: {f['twin_step_s'] * 1e3:.1f} ms with {f['twin_weight_bytes'] / 1e6:.0f} MB of weights "
-              f"in {f['twin_linear_s'] * 1e3:.1f} ms of linear layers, {f['twin_attention_s'] * 1e3:.1f} ms of attention "
-              f"-> {f['small_ops_s'] * 1e3:.1f} ms of small ops", flush=True)
 
     by_batch = {d["batch"]: d for d in decode}
     by_len = {p["tokens"]: p for p in prefill}
-    targets = {
-        "decode_b1_over_roofline": by_batch.get(1, {}).get("pdserve_over_roofline"),
-        "decode_b1_gather_sdpa_over_roofline": (
-            by_batch[1]["pdserve_gather_sdpa_s"] / by_batch[1]["roofline_s"] if 1 in by_batch else None
-        ),
-        "decode_b32_gather_sdpa_over_b1": (
-            by_batch[32]["pdserve_gather_sdpa_s"] / by_batch[1]["pdserve_gather_sdpa_s"] if 1 in by_batch and 32 in by_batch else None
-        ),
-        "decode_b32_over_b1": by_batch[32]["pdserve_s"] / by_batch[1]["pdserve_s"] if 1 in by_batch and 32 in by_batch else None,
+    targets = {  # issue 18's four, with the limit each must meet
+        "isa": isa or hw["cpu_flags"], "dtype": args.dtype, "backend": engine.backend.name,
+        "decode_b1_over_roofline": by_batch.get(1, {}).get("pdserve_over_roofline"), "decode_b1_over_roofline_target": 1.3,
+        "decode_b16_over_b1": by_batch[16]["pdserve_s"] / by_batch[1]["pdserve_s"] if 1 in by_batch and 16 in by_batch else None,
+        "decode_b16_over_b1_target": 1.6,
+        "decode_b32_over_floor": by_batch.get(32, {}).get("pdserve_over_floor"), "decode_b32_over_floor_target": 1.3,
         "prefill_2048_fraction_of_matmul_peak": by_len.get(2048, {}).get("fraction_of_matmul_peak"),
-        "prefill_2048_sdpa_fraction_of_matmul_peak": by_len.get(2048, {}).get("sdpa_fraction_of_matmul_peak"),
-        **best_ratios(model, floors, by_batch, bytes_per_token, args.context, hw),  # the best the decode targets could reach here (bench/floors.py)
+        "prefill_2048_fraction_of_matmul_peak_target": 0.8,
+        "prefill_2048_fraction_of_instruction_peak": by_len.get(2048, {}).get("fraction_of_instruction_peak"),
     }
-    result = {"model": args.model, "dtype": args.dtype, "context": args.context, "hardware": hw,
-              "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "prefill": prefill, "breakdown": breakdown, "floors": floors, "targets": targets}
+    result = {"model": args.model, "dtype": args.dtype, "context": args.context, "hardware": hw, "backend": engine.backend.name,
+              "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "prefill": prefill, "breakdown": breakdown,
+              "targets": targets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / "engine.png")
+    if not args.no_plot:
+        plot(result, out / "engine.png")
     print_tables(result)
     print(f"\n{machine}")
     print(f"hardware: read {hw['mem_read_bytes_per_s'] / 1e9:.1f} GB/s, memcpy {hw['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"matmul fp32 {hw['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {hw['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s ({hw['num_threads']} thread{'s' if hw['num_threads'] != 1 else ''})"
-          + (f"; bf16 instruction peak {hw['bf16_instruction_peak_flops'] / 1e9:.0f} GFLOP/s (1 thread)" if hw.get("bf16_instruction_peak_flops") else ""))
-    print("targets:", json.dumps({k: round(v, 3) if v is not None else None for k, v in targets.items()}))
+          + (f"; FMA instruction peak {instruction_peak / 1e9:.0f} GFLOP/s (1 thread)" if instruction_peak else ""))
+    print("targets:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in targets.items()}))
     print(f"wrote {out / 'engine.json'} and {out / 'engine.png'}")
 
 
 def print_tables(result: dict) -> None:
-    print(f"\n{'batch':>5} | {'pdserve ms':>10} | {'gather+SDPA ms':>14} | {'HF eager ms':>11} | {'roofline ms':>11} | {'x roofline':>10}")
+    print(f"\n{'batch':>5} | {'pdserve ms':>10} | {'HF eager ms':>11} | {'roofline ms':>11} | {'x roofline':>10} | {'floor ms':>8} | {'x floor':>7}")
     for d in result["decode"]:
-        print(f"{d['batch']:>5} | {d['pdserve_s'] * 1e3:>10.1f} | {d['pdserve_gather_sdpa_s'] * 1e3:>14.1f} | "
-              f"{d['hf_eager_s'] * 1e3:>11.1f} | {d['roofline_s'] * 1e3:>11.1f} | {d['pdserve_over_roofline']:>10.2f}")
-    print(f"\n{'tokens':>6} | {'pdserve tok/s':>13} | {'SDPA tok/s':>10} | {'HF eager tok/s':>14} | {'of matmul peak':>14}")
+        print(f"{d['batch']:>5} | {d['pdserve_s'] * 1e3:>10.1f} | {d['hf_eager_s'] * 1e3:>11.1f} | {d['roofline_s'] * 1e3:>11.1f} | "
+              f"{d['pdserve_over_roofline']:>10.2f} | {d['floor_s'] * 1e3:>8.1f} | {d['pdserve_over_floor']:>7.2f}")
+    print(f"\n{'tokens':>6} | {'pdserve tok/s':>13} | {'HF eager tok/s':>14} | {'of matmul peak':>14}")
     for p in result["prefill"]:
-        print(f"{p['tokens']:>6} | {p['pdserve_tokens_per_s']:>13.0f} | {p['pdserve_sdpa_tokens_per_s']:>10.0f} | "
-              f"{p['hf_tokens_per_s']:>14.0f} | {p['fraction_of_matmul_peak']:>14.0%}")
+        print(f"{p['tokens']:>6} | {p['pdserve_tokens_per_s']:>13.0f} | {p['hf_tokens_per_s']:>14.0f} | {p['fraction_of_matmul_peak']:>14.0%}")
     print(f"\n{'per forward':<13} | {'total ms':>8} | {'linear ms':>9} | {'attention ms':>12} | {'other ms':>8} | rates")
     for name, b in result["breakdown"].items():
         rates = f"linear {b['linear_flops_per_s'] / 1e9:.0f} GFLOP/s ({b['linear_fraction_of_matmul_peak']:.0%} of matmul peak)"
@@ -271,21 +276,21 @@ def plot(result: dict, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     d = result["decode"]
     a.plot([x["batch"] for x in d], [x["pdserve_s"] * 1e3 for x in d], "o-", label="pdserve")
-    a.plot([x["batch"] for x in d], [x["pdserve_gather_sdpa_s"] * 1e3 for x in d], "^-", label="pdserve, gather + SDPA")
     a.plot([x["batch"] for x in d], [x["hf_eager_s"] * 1e3 for x in d], "s--", label="HF eager")
     a.plot([x["batch"] for x in d], [x["roofline_s"] * 1e3 for x in d], "k:", label="roofline (bytes / read BW)")
+    a.plot([x["batch"] for x in d], [x["floor_s"] * 1e3 for x in d], "k-.", label="floor (max of roofline, FLOPs / matmul peak)")
     a.set(xscale="log", xlabel="batch size", ylabel="decode step (ms)", title=f"decode, context {result['context']}")
     a.legend()
     p = result["prefill"]
     b.plot([x["tokens"] for x in p], [x["pdserve_tokens_per_s"] for x in p], "o-", label="pdserve")
-    b.plot([x["tokens"] for x in p], [x["pdserve_sdpa_tokens_per_s"] for x in p], "^-", label="pdserve, torch SDPA")
     b.plot([x["tokens"] for x in p], [x["hf_tokens_per_s"] for x in p], "s--", label="HF eager")
     b.set(xscale="log", xlabel="prompt tokens", ylabel="tokens/s", title="prefill")
     for axis, xs in ((a, [x["batch"] for x in d]), (b, [x["tokens"] for x in p])):  # plain ticks at the measured points
         axis.set_xticks(xs, [str(x) for x in xs])
         axis.minorticks_off()
     b.legend()
-    fig.suptitle(f"{result['model']} {result['dtype']}, {result['hardware']['num_threads']} thread(s)")
+    fig.suptitle(f"{result['model']} {result['dtype']}, {result['backend']} backend, {result['hardware']['num_threads']} thread(s), "
+                 f"{result['hardware']['cpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -51,17 +51,19 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: st
     return 2 * n**3 / _best_of(lambda: a @ b, repeats, device)
 
 
-def bf16_instruction_peak(repeats: int = 5) -> float | None:
-    """FLOP/s of one thread issuing only VDPBF16PS (24 independent chains, in C: kernels/bf16_gemv.c),
-    the most an AVX512-BF16 core can do in bf16; None without that instruction or a C compiler.
-    Measured on the Zen 4 core here: 234 GFLOP/s, one 512-bit instruction per cycle."""
-    from pdserve.engine import kernels
+def fma_instruction_peak(dtype: str = "bfloat16", repeats: int = 5) -> float | None:
+    """FLOP/s of one thread issuing only the linear kernel's FMA instruction (24 independent
+    chains, pdserve/engine/cpu/linear.c ``fma_peak_probe``): VDPBF16PS for bf16 on
+    AVX512-BF16, else the float32 vector FMA. The most one core can do in the step's matmuls;
+    None without a C compiler."""
+    from pdserve.engine import cpu
 
-    lib = kernels.load("bf16_gemv")
-    if lib is None or not lib.bf16_gemv_available():
+    lib = cpu.load("linear")
+    if lib is None:
         return None
-    iters = 2_000_000  # x 24 instructions x 64 FLOP: ~0.01 s at that peak
-    return iters * 24 * 64 / _best_of(lambda: lib.bf16_dot_peak_probe(iters), repeats)
+    bf = int(dtype == "bfloat16")
+    iters = 1_000_000
+    return iters * 24 * lib.fma_flops_per_instruction(bf) / _best_of(lambda: lib.fma_peak_probe(iters, bf), repeats)
 
 
 def describe(device: str = "cpu") -> dict[str, str]:
@@ -91,5 +93,6 @@ def measure(device: str = "cpu") -> dict:
         "memcpy_bytes_per_s": memcpy_bandwidth(device=device),
         "matmul_fp32_flops": matmul_flops(torch.float32, device=device),
         "matmul_bf16_flops": matmul_flops(torch.bfloat16, device=device),
-        "bf16_instruction_peak_flops": None if str(device).startswith("cuda") else bf16_instruction_peak(),
+        "bf16_instruction_peak_flops": None if str(device).startswith("cuda") else fma_instruction_peak("bfloat16"),
+        "f32_instruction_peak_flops": None if str(device).startswith("cuda") else fma_instruction_peak("float32"),
     }

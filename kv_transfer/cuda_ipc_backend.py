@@ -13,7 +13,8 @@ The shape of the shm backend, on GPU memory:
 3. It checksums its copy per layer on its GPU and acknowledges with ``ReleaseKV``; the
    sender compares (as shm does), so a copy that raced a reused block is caught.
 
-cupy comes with the ``gpu`` extra (``pip install 'pdserve[gpu]'``, cupy-cuda12x). CUDA
+cupy comes with the ``gpu`` extra (``pip install 'pdserve[gpu]'``, cupy-cuda12x; ``gpu-cuda13``
+for cupy-cuda13x: any cupy build works). CUDA
 runtime IPC: https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__DEVICE.html
 (cudaIpcGetMemHandle, cudaIpcOpenMemHandle); cupy: ``cupy.cuda.runtime``.
 

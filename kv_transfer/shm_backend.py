@@ -12,7 +12,7 @@ worker's KV pool, which lives in a shared-memory file (PagedKVCache(shm_path=...
    proves the blocks were not reused during the copy; one that finds it gone means the
    copy may be stale, and the transfer fails (KVNotFoundError).
 
-Block copies and checksums are C (pdserve/engine/kernels/kv_blocks.c): both sides are on
+Block copies and checksums are C (pdserve/engine/cpu/kv_blocks.c): both sides are on
 one node, so both have it where either does.
 """
 
@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 
 from kv_transfer.base import KVSink
-from pdserve.engine import kernels
+from pdserve.engine import cpu as kernels
 from pdserve.engine.kv_cache import PagedKVCache, map_pool_file
 from pdserve.errors import KVTransferError
 from pdserve.kv_layout import KVSpec
@@ -39,7 +39,7 @@ def available() -> bool:
 def _lib():
     lib = kernels.load("kv_blocks")
     if lib is None:
-        raise KVTransferError("the shm KV backend needs a C compiler on this node (see pdserve/engine/kernels)")
+        raise KVTransferError("the shm KV backend needs a C compiler on this node (see pdserve/engine/cpu)")
     return lib
 
 

@@ -24,9 +24,12 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "smollm2"
-    # "auto" = bfloat16 on a GPU or a CPU whose oneDNN has bf16 kernels, else float32,
-    # settled once where the app is built (pdserve.deploy.app_config, resolve_dtype)
+    # "auto" = bfloat16 on a GPU or a CPU with bf16 instructions (AVX512-BF16, AMX), else
+    # float32, settled once where the app is built (pdserve.deploy.app_config, resolve_dtype)
     dtype: str = "auto"
+    # the engine's compute backend (pdserve/engine/backends): "auto" = cuda on a GPU, else cpu
+    # (pdserve's C kernels) where they build, else torch (portable, slow); or one of those
+    backend: str = "auto"
     max_model_len: int | None = None  # tokens; None = the model's context
     # where each worker runs its model and KV pool: "auto" = the GPU Ray gave the replica
     # (ray_actor_options.num_gpus >= 1), else the CPU; "cpu"; "cuda"
@@ -109,17 +112,12 @@ class PoolConfig:
     max_num_batched_tokens: int = 2048  # new tokens per forward
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
     enable_prefix_caching: bool = True
-    optimize: bool = True  # CPU: packed oneDNN bf16 weights, C heap kept (bit-identical); GPU: CUDA graphs for decode
-    # C paged decode attention over blocks in place (faster; see engine.py); null or true = on
-    # where it runs (a CPU with a C compiler: bf16 rounds as the reference, float32 in its own
-    # order), false = gather + torch SDPA
-    decode_kernel: bool | None = None
-    # C causal prompt attention (bf16 with AVX512-BF16; rounds as torch's flash attention bit
-    # for bit, 2.5-3x faster); null or true = on where it runs, false = never (torch SDPA)
-    prefill_kernel: bool | None = None
+    optimize: bool = True  # CPU: C heap kept (allocator.py); GPU: CUDA graphs for decode
 
 
 KV_BACKENDS = ("grpc", "shm", "cuda_ipc", "auto")
+ENGINE_BACKENDS = ("auto", "cpu", "torch", "cuda")  # pdserve.engine.backends.CHOICES
+_REPLACED = {key: "model.backend chooses the engine's kernels (auto, cpu, torch or cuda)" for key in ("decode_kernel", "prefill_kernel")}
 FAULT_POLICIES = ("recompute", "fail")
 
 
@@ -203,6 +201,8 @@ class ClusterConfig:
             target = getattr(cfg, section)
             known = {f.name for f in dataclasses.fields(target)}
             for key, value in (values or {}).items():
+                if key in _REPLACED:
+                    raise ConfigError(f"cluster.yaml: {section}.{key} is gone: {_REPLACED[key]}")
                 if key not in known:
                     raise ConfigError(f"cluster.yaml: unknown key {section}.{key}")
                 if isinstance(getattr(target, key), dict) and value is None:
@@ -224,6 +224,8 @@ class ClusterConfig:
             raise ConfigError(f"mode must be disaggregated or colocated, not {self.mode!r}")
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16, not {self.model.dtype!r}")
+        if self.model.backend not in ENGINE_BACKENDS:
+            raise ConfigError(f"model.backend must be one of {', '.join(ENGINE_BACKENDS)}, not {self.model.backend!r}")
         if self.model.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"model.device must be auto, cpu or cuda, not {self.model.device!r}")
         if self.kv_transfer.backend not in KV_BACKENDS:
@@ -266,9 +268,6 @@ class ClusterConfig:
             for key in ("optimize", "enable_prefix_caching"):
                 if not isinstance(getattr(pool, key), bool):
                     raise ConfigError(f"{name}.{key} must be true or false, not {getattr(pool, key)!r}")
-            for key in ("decode_kernel", "prefill_kernel"):
-                if getattr(pool, key) is not None and not isinstance(getattr(pool, key), bool):  # 0 == False, but is no switch
-                    raise ConfigError(f"{name}.{key} must be null (auto), true or false, not {getattr(pool, key)!r}")
             if pool.num_threads is not None and (not isinstance(pool.num_threads, int) or isinstance(pool.num_threads, bool) or pool.num_threads < 1):
                 raise ConfigError(f"{name}.num_threads must be null (num_cpus) or a positive integer, not {pool.num_threads!r}")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:

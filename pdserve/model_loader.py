@@ -122,9 +122,8 @@ def runs_on_gpu(cfg) -> bool:
 
 def resolve_dtype(cfg) -> str:
     """``model.dtype`` of ``cfg`` (a ClusterConfig) with "auto" settled: "bfloat16" when the
-    pools run on GPUs or when this CPU's oneDNN has bf16 kernels (AVX512 BW/VL/DQ, AMX or
-    AVX-NE-CONVERT), else "float32". On a CPU without them torch's bf16 matmul is a slow
-    fallback (measured on an AVX2 EPYC: ~1-9 GFLOP/s against ~55 in float32; README, Engine).
+    pools run on GPUs or when this CPU has bf16 dot-product instructions (AVX512-BF16 or
+    AMX-BF16), else "float32" (docs/engine.md: bf16 on AVX2 widens weights in registers).
 
     Settled once where the app is built (``pdserve.deploy.app_config``), so every replica
     loads the same dtype: the KV fingerprint includes it, and a prefill and a decode pool
@@ -135,9 +134,9 @@ def resolve_dtype(cfg) -> str:
         return cfg.model.dtype
     if runs_on_gpu(cfg):
         return "bfloat16"
-    from pdserve.engine.fast_linear import onednn_has_bf16
+    from pdserve.engine.cpu import has_bf16_instructions
 
-    return "bfloat16" if onednn_has_bf16() else "float32"
+    return "bfloat16" if has_bf16_instructions() else "float32"
 
 
 def load_model(model_dir: Path, dtype: str, device: str = "cpu"):

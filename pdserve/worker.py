@@ -10,7 +10,6 @@ from kv_transfer.factory import shm_pool_path
 from kv_transfer.fingerprint import KVFingerprint
 from pdserve.config import ClusterConfig, ConfigError, PoolConfig
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.engine.fast_linear import onednn_has_bf16
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.kv_layout import KVSpec
 from pdserve.model_loader import load_model, load_tokenizer, resolve_dtype, resolve_model_dir
@@ -62,7 +61,7 @@ def max_model_len(cfg: ClusterConfig, model_config) -> int:
     return min(cfg.model.max_model_len, limit) if cfg.model.max_model_len else limit
 
 
-def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str) -> EngineConfig:
+def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str, backend: str = "auto") -> EngineConfig:
     """Raises ConfigError if the KV pool cannot hold one request of ``max_len`` tokens."""
     num_blocks = PagedKVCache.num_blocks_for(spec, pool.block_size, pool.kv_cache_tokens, pool.kv_cache_bytes)
     if num_blocks * pool.block_size < max_len:
@@ -74,7 +73,7 @@ def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str) 
         num_blocks=num_blocks, block_size=pool.block_size, max_num_seqs=pool.max_num_seqs,
         max_num_batched_tokens=pool.max_num_batched_tokens, chunk_size=pool.chunk_size,
         enable_prefix_caching=pool.enable_prefix_caching, optimize=pool.optimize,
-        decode_kernel=pool.decode_kernel, prefill_kernel=pool.prefill_kernel,
+        backend=backend,
     )
 
 
@@ -112,7 +111,7 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
     tokenizer = load_tokenizer(model_dir)
     max_len = max_model_len(cfg, model.config)
     spec = KVSpec.from_model_config(model.config, model.dtype)
-    config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name)
+    config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name, cfg.model.backend)
     fingerprint = KVFingerprint.of(model, tokenizer, cfg.model.path, config.block_size)
     shm_path, cuda_ipc = None, False
     if cfg.kv_transfer.backend == "cuda_ipc" and device != "cuda":
@@ -130,8 +129,4 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
             raise ConfigError(str(e)) from None
     where = shm_path or ("exportable GPU memory (cuda_ipc)" if cuda_ipc else f"private {device} memory")
     log.info("%s: %s (%s) on %s, %d torch threads, %s, KV pool in %s", pool_name, model_dir, dtype, device, num_threads, config, where)
-    if device == "cpu" and model.dtype == torch.bfloat16 and not onednn_has_bf16():
-        log.warning("%s: this CPU has no bf16 instructions oneDNN can use (it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT): "
-                    "torch runs bf16 matmuls on a slow fallback here (measured on an AVX2 EPYC: ~1-9 GFLOP/s against "
-                    "~50 in float32); set model.dtype: float32 for speed", pool_name)
     return Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_shm_path=shm_path, kv_cuda_ipc=cuda_ipc), fingerprint

@@ -35,8 +35,8 @@ def test_pools_are_configured_independently():
         ({"prefill": {"autoscaling_policy": {"metric": "tpot"}}}, "prefill.autoscaling_policy.metric must be one of queued_tokens, ttft"),
         ({"decode": {"autoscaling_policy": {"target_runing": 4}}}, "decode.autoscaling_policy: unknown key 'target_runing'"),
         ({"decode": {"autoscaling_policy": {"target_kv_usage": 0}}}, "decode.autoscaling_policy.target_kv_usage must be > 0"),
-        ({"prefill": {"prefill_kernel": "yes"}}, "prefill.prefill_kernel must be null \\(auto\\), true or false, not 'yes'"),
-        ({"decode": {"decode_kernel": 0}}, "decode.decode_kernel must be null \\(auto\\), true or false, not 0"),  # 0 == False, no switch
+        ({"prefill": {"prefill_kernel": True}}, "prefill.prefill_kernel is gone: model.backend chooses"),
+        ({"model": {"backend": "avx"}}, "model.backend must be one of auto, cpu, torch, cuda, not 'avx'"),
     ],
 )
 def test_bad_config_names_the_key(raw, message):
@@ -73,16 +73,16 @@ def test_bad_security_and_admission_settings_name_the_key(raw, message):
     ({"model": {"device": "cpu"}, "prefill": {"ray_actor_options": {"num_gpus": 1}}}, False, "float32"),
 ])
 def test_auto_dtype_is_settled_once_by_where_the_pools_run(monkeypatch, raw, cpu_has_bf16, want):
-    from pdserve.engine import fast_linear
+    from pdserve.engine import cpu
     from pdserve.model_loader import resolve_dtype
 
-    monkeypatch.setattr(fast_linear, "onednn_has_bf16", lambda: cpu_has_bf16)  # the other CPU kind than this one
+    monkeypatch.setattr(cpu, "has_bf16_instructions", lambda: cpu_has_bf16)  # the other CPU kind than this one
     assert resolve_dtype(ClusterConfig.from_dict(raw)) == want
 
 
 def test_the_app_is_built_with_the_settled_dtype():
     from pdserve.deploy import app_config
-    from pdserve.engine.fast_linear import onednn_has_bf16
+    from pdserve.engine.cpu import has_bf16_instructions
 
-    assert app_config(ClusterConfig())["model"]["dtype"] == ("bfloat16" if onednn_has_bf16() else "float32")
+    assert app_config(ClusterConfig())["model"]["dtype"] == ("bfloat16" if has_bf16_instructions() else "float32")
     assert app_config(ClusterConfig.from_dict({"model": {"dtype": "float16"}}))["model"]["dtype"] == "float16"

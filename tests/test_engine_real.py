@@ -1,19 +1,14 @@
 """The engine on the real model (SmolLM2-135M-Instruct) in-process, against model.generate.
 
-float32: exact. bfloat16 (with the default fast paths): identical up to the first
-difference, and there the reference's top two log-probabilities are within 0.05 (a near-tie);
-on an AVX512-BF16 CPU, batched decode is exact as well.
-
-The reference's log-probabilities are taken from its bf16 final hidden state through the
-LM head in float32: its bf16 logits are rounded to steps of 0.125 at magnitudes 16-32, so
-a gap measured on them is 0 or 0.125 and cannot resolve a 0.05 threshold.
+float32: greedy ids equal, token for token. bfloat16: vLLM's ``check_logprobs_close`` with
+the top 5. Batch invariance on the real model: a needle's logprobs bit for bit alone, in a
+batch of 32 and chunked (tests/test_batch_invariance.py has the full set on tiny models).
 """
 
 import pytest
 import torch
 
 from conftest import reference_generate
-from pdserve.engine import paged_prefill
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.model_loader import load_model, load_tokenizer
@@ -75,98 +70,83 @@ def test_repeated_prompt_hits_the_prefix_cache_and_is_exact(real):
     assert_all_blocks_free(engine)
 
 
-def test_bfloat16_batched_differs_only_at_near_ties(real):
+def reference_top_logprobs(model, prompt: list[int], num_tokens: int, k: int = 5) -> tuple[list[int], list[dict[int, float]]]:
+    """HF greedy ``generate``: its ids and, per step, the top-``k`` log-probabilities of its raw logits."""
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt])
+    config = GenerationConfig(do_sample=False, max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=model.config.pad_token_id,
+                              eos_token_id=[], output_logits=True, return_dict_in_generate=True)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    tops = []
+    for logits in out.logits:
+        top = torch.topk(torch.log_softmax(logits[0].float(), -1), k)
+        tops.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+    return out.sequences[0, len(prompt):].tolist(), tops
+
+
+def check_logprobs_close(ours, theirs) -> None:
+    """vLLM's ``check_logprobs_close`` (tests/models/utils.py): equal ids until the first
+    difference; there, each side's token is in the other's top logprobs; nothing after."""
+    for i, ((ids_a, top_a), (ids_b, top_b)) in enumerate(zip(ours, theirs)):
+        for pos, (a, b) in enumerate(zip(ids_a, ids_b)):
+            if a != b:
+                assert a in top_b[pos] and b in top_a[pos], f"prompt {i}, token {pos}: {a} vs {b}, not in each other's top 5"
+                break
+
+
+def test_bfloat16_logprobs_close_to_the_reference(real):
+    """bf16 against HF bf16 ``generate``, vLLM's standard rule: 24 prompts of 1-600 tokens
+    decoded together, 32 tokens each, top-5 logprobs. The share of prompts whose 32 tokens are
+    all identical is printed (-s), not asserted: it varies with the CPU's kernels."""
     model_dir, _, ids = real
-    prompts = [ids[i * 30 : i * 30 + n] for i, n in enumerate([1, 7, 16, 33, 64, 130, 250, 17])]
-    engine = engine_for(model_dir, "bfloat16", num_blocks=128)  # defaults: packed bf16 weights
-    seqs = generate_all(engine, prompts, 16)
-    reference = load_model(model_dir, "bfloat16")
-    for seq, prompt in zip(seqs, prompts):
-        got, want = seq.token_ids[len(prompt):], reference_generate(reference, prompt, 16, ignore_eos=True)
-        if got == want:
-            continue
-        first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-        assert got[:first] == want[:first]
-        with torch.inference_mode():
-            hidden = reference.model(torch.tensor([prompt + want[:first]])).last_hidden_state[0, -1]
-            logits = hidden.float() @ reference.lm_head.weight.float().T  # [vocab]
-        top2 = torch.topk(torch.log_softmax(logits, -1), 2).values
-        assert float(top2[0] - top2[1]) <= 0.05, f"not a near-tie at position {first}"
-    assert_all_blocks_free(engine)
-
-
-def test_bfloat16_batched_decode_equals_the_reference_token_for_token(real):
-    """With the defaults on an AVX512-BF16 CPU (the prompt- and decode-attention kernels rounding as
-    torch's flash attention, decode rows of the linear layers summed as oneDNN sums a lone row), 12
-    prompts of 1-620 tokens decoded together give exactly the reference's greedy tokens."""
-    from pdserve.engine import exact_gemv
-
-    if not (exact_gemv.available() and paged_decode_supported(torch.bfloat16)):
-        pytest.skip("needs AVX512-BF16 and a C compiler: elsewhere batched bf16 may differ at near-ties")
-    model_dir, _, ids = real
-    lengths = [1, 7, 16, 33, 64, 130, 250, 17, 500, 620, 90, 45]
+    lengths = [1, 2, 7, 16, 17, 33, 64, 90, 130, 250, 17, 45, 300, 400, 500, 600, 5, 11, 80, 120, 200, 260, 31, 3]
     prompts = [ids[i * 37 : i * 37 + n] for i, n in enumerate(lengths)]
-    engine = engine_for(model_dir, "bfloat16", num_blocks=256)
-    assert engine.runner.decode_kernel
-    assert engine.runner.prefill_kernel == paged_prefill.supports(torch.bfloat16, torch.device("cpu"), 64)  # prompts too, where it runs
-    seqs = generate_all(engine, prompts, 24)
-    reference = load_model(model_dir, "bfloat16")
-    for seq, prompt in zip(seqs, prompts):
-        assert seq.token_ids[len(prompt):] == reference_generate(reference, prompt, 24, ignore_eos=True), len(prompt)
-    assert_all_blocks_free(engine)
-
-
-def test_bfloat16_chunked_prefill_and_prefix_hit_equal_the_reference(real):
-    """With the prompt kernel, bf16 is exact where torch SDPA was not: a 3,000-token prompt
-    prefilled in chunks of 256 leaves the reference's KV in the pool bit for bit (each chunk's
-    attention rounds as the reference's one causal call over the whole prompt; with masked SDPA
-    per chunk ~2/3 of the KV differed), and it, then the same prompt again (the rest of a
-    prefix-cache hit), give the reference's greedy tokens."""
-    from pdserve.engine import exact_gemv
-
-    if not (exact_gemv.available() and paged_prefill.supports(torch.bfloat16, torch.device("cpu"), 64)):
-        pytest.skip("needs AVX512-BF16 and a C compiler: elsewhere chunks go through torch's masked SDPA")
-    model_dir, _, ids = real
-    prompt = ids[:3000]
-    engine = engine_for(model_dir, "bfloat16", num_blocks=256, chunk_size=256, max_num_batched_tokens=256)
-    reference = load_model(model_dir, "bfloat16")
-    with torch.inference_mode():
-        cache = reference(torch.tensor([prompt]), use_cache=True).past_key_values
-    first = Sequence("first", list(prompt), 3000, SamplingParams(max_tokens=8, ignore_eos=True))
-    engine.add(first)
-    for _ in range(3000 // 256 + 1):  # the 12 prefill chunks
-        engine.step()
-    slots = engine.kv_cache.slots(first.block_table, 0, 3000)
-    for layer in range(len(cache.layers)):  # [kv_heads, 3000, head_dim] each
-        assert torch.equal(engine.kv_cache.k[layer][:, slots], cache.layers[layer].keys[0]), layer
-        assert torch.equal(engine.kv_cache.v[layer][:, slots], cache.layers[layer].values[0]), layer
+    engine = engine_for(model_dir, "bfloat16", num_blocks=512)
+    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=32, ignore_eos=True, logprobs=5)) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.add(seq)
     run_to_completion(engine)
-    second = generate_all(engine, [prompt], 8)[0]
-    assert second.num_cached_tokens == 2992  # 187 full blocks of 16 from the first
-    want = reference_generate(reference, prompt, 8, ignore_eos=True)
-    assert first.token_ids[3000:] == want and second.token_ids[3000:] == want
+    reference = load_model(model_dir, "bfloat16")
+    theirs = [reference_top_logprobs(reference, p, 32) for p in prompts]
+    ours = [(s.token_ids[s.num_prompt_tokens:], [{t.token_id: t.logprob for t in lp.top} for lp in s.logprobs]) for s in seqs]
+    check_logprobs_close(ours, theirs)
+    same = sum(a[0] == b[0] for a, b in zip(ours, theirs))
+    print(f"bf16: {same}/{len(prompts)} prompts identical for 32 tokens ({engine.backend.name} backend)")
     assert_all_blocks_free(engine)
 
 
-def paged_decode_supported(dtype) -> bool:
-    from pdserve.engine import paged_decode
-
-    return paged_decode.supports(dtype, torch.device("cpu"))
-
-
-def test_decode_kernel_float32_batched_is_exact(real):
-    """The C paged-attention kernel (decode_kernel) in float32: mixed lengths crossing
-    512-token splits, decoded together, equal the reference token for token."""
-    from pdserve.engine import paged_decode
-
-    if not paged_decode.supports(torch.float32, torch.device("cpu")):
-        pytest.skip("no C compiler here")
+def test_float32_batched_mixed_lengths_are_exact(real):
+    """float32, the default backend: mixed lengths decoded together equal the reference token for token."""
     model_dir, _, ids = real
     prompts = [ids[i * 40 : i * 40 + n] for i, n in enumerate([1, 15, 16, 17, 100, 505, 700])]
-    engine = engine_for(model_dir, "float32", num_blocks=128, decode_kernel=True)
-    assert engine.runner.decode_kernel
+    engine = engine_for(model_dir, "float32", num_blocks=128)
     seqs = generate_all(engine, prompts, 16)
     reference = load_model(model_dir, "float32")
     for seq, prompt in zip(seqs, prompts):
         assert seq.token_ids[len(prompt):] == reference_generate(reference, prompt, 16, ignore_eos=True)
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_real_model_needle_is_the_same_bits_in_a_batch_of_32_and_chunked(real, dtype):
+    """Batch invariance on the bundled model: a needle's 16 logprobs alone, at a place in a
+    batch of 32 mixed prompts, and prefilled in chunks of 48, compared with ``==``."""
+    model_dir, _, ids = real
+    needle = ids[1000:1150]
+    p = lambda: SamplingParams(max_tokens=16, ignore_eos=True, logprobs=5)  # noqa: E731
+
+    def needle_out(engine, others, where):
+        seqs = [Sequence(f"r{i}", list(x), len(x), p()) for i, x in enumerate(others[:where] + [needle] + others[where:])]
+        for seq in seqs:
+            engine.add(seq)
+        run_to_completion(engine)
+        assert_all_blocks_free(engine)
+        return [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in seqs[where].logprobs]
+
+    engine = engine_for(model_dir, dtype, num_blocks=1024)
+    want = needle_out(engine, [], 0)
+    others = [ids[i * 53 : i * 53 + n] for i, n in enumerate([(7 * i) % 90 + 1 for i in range(31)])]
+    assert needle_out(engine, others, 13) == want
+    chunked = engine_for(model_dir, dtype, num_blocks=1024, chunk_size=48, max_num_batched_tokens=64)
+    assert needle_out(chunked, others[:3], 1) == want

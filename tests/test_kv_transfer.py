@@ -460,7 +460,7 @@ def test_mappings_of_removed_pools_are_dropped(tmp_path):
 @needs_shm
 @pytest.mark.parametrize("num_blocks", [8, 600])  # per head 16 KiB (a cached memcpy) and 1.2 MiB (streaming stores)
 def test_the_shm_block_copy_lands_every_byte_and_its_checksum_is_the_senders(num_blocks):
-    from pdserve.engine import kernels
+    from pdserve.engine import cpu as kernels
 
     lib = kernels.load("kv_blocks")
     heads, pool_blocks, block_bytes = 3, 1200, 2048  # bf16 blocks of 16 tokens x 64 dims

@@ -142,7 +142,7 @@ def test_incompatible_workers_fail_even_under_recompute(workers, reference):
     assert p["num_held"] == 0 and d["num_free_blocks"] == d["num_blocks"]
 
 
-def test_seeded_sampling_is_the_same_disaggregated_or_not(workers, reference):
+def test_seeded_sampling_is_the_same_disaggregated_or_not(workers, reference, real_model_dir):
     """temperature > 0 with a seed: prefill samples token 1 and decode the rest, yet the
     tokens equal one engine doing it all (the random stream is keyed by seed and position)."""
     from pdserve.engine.sequence import Sequence
@@ -163,7 +163,8 @@ def test_seeded_sampling_is_the_same_disaggregated_or_not(workers, reference):
     from pdserve.engine.engine import Engine, EngineConfig
 
     # one engine doing both phases, on the same weights
-    engine = Engine(decode.engine.runner.model, EngineConfig(num_blocks=64), decode.engine.eos_token_ids, decode.engine.max_model_len)
+    model = load_model(real_model_dir, str(decode.engine.model.dtype).removeprefix("torch."))
+    engine = Engine(model, EngineConfig(num_blocks=64), decode.engine.eos_token_ids, decode.engine.max_model_len)
     seq = Sequence("alone", list(prompt), len(prompt), params)
     engine.add(seq)
     run_to_completion(engine)
@@ -231,7 +232,9 @@ def test_layerwise_prefill_that_fails_mid_stream_frees_both_sides(workers, refer
     prompt, _ = reference
     decode.cfg.kv_transfer.on_fault = policy
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    long_prompt = (prompt * 100)[:600]
+    # a prompt of its own: an earlier case's blocks in the prefix cache would make this prefill
+    # a few tokens long, done before the cancel
+    long_prompt = [1000 + 10 * ["grpc", "shm", "auto"].index(backend) + (policy == "fail")] + (prompt * 100)[:599]
 
     async def scenario():
         steps = prefill.prefill_layerwise(PrefillRequest(f"lw-cancel-{policy}-{backend}", long_prompt, params))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention import AttentionContext, set_context
+from pdserve.engine.backends.base import StepMetadata
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.sequence import Sequence
 
@@ -59,14 +59,10 @@ def block_buckets(max_blocks: int) -> list[int]:
 
 @dataclass
 class _StaticStep:
-    """One captured shape: ``num_seqs`` rows, block tables of ``num_blocks`` blocks."""
+    """One captured shape: ``num_seqs`` rows, block tables of ``num_blocks`` blocks. Its
+    metadata's tensors are the graph's inputs, refilled in place every step."""
 
-    input_ids: torch.Tensor  # [1, num_seqs] the token each sequence feeds
-    positions: torch.Tensor  # [1, num_seqs]
-    slots: torch.Tensor  # [num_seqs] where each new token's K/V goes
-    block_ids: torch.Tensor  # [num_seqs, num_blocks] padded block tables
-    mask: torch.Tensor  # [num_seqs, num_blocks * block_size] bool, True = attend
-    context: AttentionContext
+    meta: StepMetadata
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     logits: torch.Tensor | None = None  # [num_seqs, vocab] the graph's output
 
@@ -107,7 +103,7 @@ class DecodeGraphs:
         if step is None:
             try:
                 step = self._new_step(num_seqs, num_blocks)
-            except Exception as e:  # a forward transformers cannot capture: eager from now on
+            except Exception as e:  # a forward that cannot be captured: eager from now on
                 log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e)
                 self.failed = f"{type(e).__name__}: {e}"
                 raise GraphCaptureFailed(self.failed) from e
@@ -121,11 +117,14 @@ class DecodeGraphs:
             tables.append(table + [self.scratch_block] * (num_blocks - len(table)))
         tables += [[self.scratch_block] * num_blocks] * (num_seqs - len(batch))
         lens = context_lens + [1] * (num_seqs - len(batch))
-        step.input_ids.copy_(torch.tensor([input_ids]))
-        step.positions.copy_(torch.tensor([positions]))
-        step.slots.copy_(torch.tensor(slots))
-        step.block_ids.copy_(torch.tensor(tables))
-        step.mask.copy_(torch.arange(num_blocks * bs)[None, :] < torch.tensor(lens)[:, None])
+        m = step.meta
+        m.input_ids.copy_(torch.tensor(input_ids))
+        m.positions.copy_(torch.tensor(positions))
+        m.slot_mapping.copy_(torch.tensor(slots))
+        m.block_tables.copy_(torch.tensor(tables, dtype=torch.int32))
+        m.extra["block_ids"].copy_(m.block_tables.view(-1))
+        m.extra["mask"].copy_(torch.arange(num_blocks * bs)[None, :] < torch.tensor(lens)[:, None])
+        m.context_lens[:] = lens  # read by the CPU backends' eager steps (a graph reads tensors only)
         if step.graph is not None:
             step.graph.replay()
             logits = step.logits
@@ -135,14 +134,17 @@ class DecodeGraphs:
 
     def _new_step(self, num_seqs: int, num_blocks: int) -> _StaticStep:
         bs, dev = self.kv_cache.block_size, self.device
-        block_ids = torch.full((num_seqs, num_blocks), self.scratch_block, dtype=torch.long, device=dev)
+        block_tables = torch.full((num_seqs, num_blocks), self.scratch_block, dtype=torch.int32, device=dev)
         mask = torch.zeros(num_seqs, num_blocks * bs, dtype=torch.bool, device=dev)
         mask[:, 0] = True
-        slots = torch.full((num_seqs,), self.scratch_block * bs, dtype=torch.long, device=dev)
-        context = AttentionContext(self.kv_cache, slots, list(range(num_seqs + 1)), [1] * num_seqs, [],
-                                   decode_block_ids=block_ids.view(-1), decode_mask=mask, workspaces=self.workspaces)
-        step = _StaticStep(torch.zeros(1, num_seqs, dtype=torch.long, device=dev), torch.zeros(1, num_seqs, dtype=torch.long, device=dev),
-                           slots, block_ids, mask, context)
+        rows = torch.arange(num_seqs, device=dev)
+        meta = StepMetadata(
+            input_ids=torch.zeros(num_seqs, dtype=torch.long, device=dev), positions=torch.zeros(num_seqs, dtype=torch.long, device=dev),
+            slot_mapping=torch.full((num_seqs,), self.scratch_block * bs, dtype=torch.long, device=dev),
+            token_seq=rows.to(torch.int32), block_tables=block_tables, query_starts=list(range(num_seqs + 1)),
+            context_lens=[1] * num_seqs, last_token_index=rows, decode_only=True,
+            extra={"block_ids": block_tables.long().view(-1), "mask": mask, "workspaces": self.workspaces})
+        step = _StaticStep(meta)
         if not self.workspaces:  # size the gather buffers for the largest shape now: a graph keeps their address
             spec = self.kv_cache.spec
             num_bytes = spec.num_kv_heads * self.batch_sizes[-1] * self.block_counts[-1] * bs * spec.head_dim * spec.dtype.itemsize
@@ -154,11 +156,7 @@ class DecodeGraphs:
         return step
 
     def _run(self, step: _StaticStep) -> torch.Tensor:
-        set_context(step.context)
-        try:
-            return self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False).logits[0]  # [num_seqs, vocab]
-        finally:
-            set_context(None)
+        return self.model.forward(step.meta)  # [num_seqs, vocab]
 
     def _capture(self, step: _StaticStep) -> None:
         # warm up on a side stream (lazy initialisation must not be recorded), then record;

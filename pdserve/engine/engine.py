@@ -12,14 +12,16 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pdserve.engine import exact_gemv
+import torch
+
+from pdserve.engine import backends
 from pdserve.engine.allocator import keep_freed_memory
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.errors import InvalidRequestError
-from pdserve.engine.fast_linear import can_pack, pack_linears
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.engine.model_runner import PagedModelRunner
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models import build_model
+from pdserve.errors import InvalidRequestError
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_layout import KVSpec
@@ -34,23 +36,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # new tokens per forward
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
     enable_prefix_caching: bool = True
-    # CPU: packed oneDNN weights for bf16 linear layers, and a C heap that keeps freed memory
-    # (allocator.py); both bit-identical, faster. GPU: CUDA graphs for decode (cuda_graphs).
-    # False = plain nn.Linear, malloc defaults, eager GPU steps
+    # CPU: a C heap that keeps freed memory (allocator.py); GPU: CUDA graphs for decode
+    # (cuda_graphs). False = malloc defaults, eager GPU steps
     optimize: bool = True
-    # decode attention by pdserve's C kernel, reading KV in place from the blocks: 1.3-1.4x
-    # faster decode steps at batch 1 and 32 here. In bf16 it rounds as torch's flash attention
-    # does (kernels/paged_attention.c; ~1 in 1,000,000 outputs one bf16 step off), and with the
-    # decode rows' exact GEMV (exact_gemv.py, part of ``optimize``) a batched bf16 step gives
-    # each sequence the reference's tokens. In float32 it sums in its own order (within float32
-    # rounding of torch's; 2-3x faster than gather + masked SDPA at batch 32 on an AVX2 core).
-    # None = on where it runs (a CPU with a C compiler); False = gather + torch SDPA, the
-    # reference's own call for one sequence.
-    decode_kernel: bool | None = None
-    # causal prompt attention by pdserve's C kernel (kernels/prefill_attention.c): bf16 on a CPU
-    # with AVX512-BF16, rounded as torch's flash attention bit for bit, 2.5-3x faster than torch's
-    # SDPA there. None or True = on where it runs; False = torch SDPA.
-    prefill_kernel: bool | None = None
+    # the compute backend (engine/backends/): "cpu" (pdserve's C kernels, batch invariant),
+    # "torch" (portable, batch invariant row by row, slow), "cuda" (a GPU), or "auto": cuda on
+    # a GPU, else cpu where its kernels build and pass their self-check, else torch
+    backend: str = "auto"
     # decode steps replayed from CUDA graphs (cuda_graphs.py; takes the pool's last block as
     # padding scratch). None = on where the model is on a GPU and ``optimize`` is on. True on
     # the CPU runs the same padded static-shape steps eagerly (what the CPU tests check).
@@ -76,16 +68,14 @@ class Engine:
         num_usable_blocks = config.num_blocks - 1 if use_graphs else config.num_blocks  # the last block is the graphs' scratch
         self.block_manager = BlockManager(num_usable_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
-        if config.optimize and can_pack(model):
-            pack_linears(model)
-            exact_gemv.prepare(model)  # decode rows of a batch summed as the reference's lone row
+        self.backend = backends.select(config.backend, self.kv_cache, torch.get_num_threads() if device.type == "cpu" else 1)
+        self.model = build_model(model, self.backend, max_model_len)  # raises UnsupportedModelError
         if config.optimize and device.type == "cpu":
             keep_freed_memory()
         graphs = None
         if use_graphs:
-            graphs = DecodeGraphs(model, self.kv_cache, config.num_blocks - 1, config.max_num_seqs, max_model_len, capture=device.type == "cuda")
-        self.runner = PagedModelRunner(model, self.kv_cache, decode_kernel=config.decode_kernel, graphs=graphs,
-                                       prefill_kernel=config.prefill_kernel)
+            graphs = DecodeGraphs(self.model, self.kv_cache, config.num_blocks - 1, config.max_num_seqs, max_model_len, capture=device.type == "cuda")
+        self.runner = ModelRunner(self.model, self.backend, graphs)
         self.lock = threading.RLock()  # guards the scheduler and block manager
         self.num_steps = 0
         self.num_tokens_computed = 0

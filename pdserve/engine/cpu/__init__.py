@@ -1,17 +1,17 @@
 """pdserve's CPU kernels in C, compiled on first use and loaded through ctypes.
 
-- ``paged_attention.c``: decode attention over KV blocks in place (engine/paged_decode.py).
+- ``linear.c``: batch-invariant linear layers, float32 and bf16 (ops.py ``linear``).
+- ``pointwise.c``: fused residual add + RMSNorm, rotary in place, SiLU * mul.
+- ``attention.c``: paged causal attention over the KV pool, prompt chunks and decode alike.
 - ``kv_blocks.c``: block copies and checksums for the shm KV transfer backend.
-- ``bf16_gemv.c``: batched bf16 GEMVs summed as oneDNN sums one row (engine/exact_gemv.py).
-- ``prefill_attention.c``: causal prompt attention in bf16 as torch rounds it (engine/paged_prefill.py).
-- ``torch_numerics.h``: torch's bf16 rounding and fexp_u20, shared by the attention kernels.
+- ``simd.h``, ``parallel.h``: the vector abstraction (AVX-512, AVX2, portable) and thread split.
 
-Each is built with the system C compiler (``cc -O3 -march=native``) into
+Each is built with the system C compiler (``cc -O3 -march=native -ffp-contract=off``) into
 ``~/.cache/pdserve/kernels/`` (``$PDSERVE_CACHE/kernels`` where set, as the model cache),
 keyed by a hash of the source, the headers here, the compiler and this CPU's flags, under a
-file lock so concurrent workers build it once. No torch headers are involved: a build takes about a second. Where no compiler
-is found or the build fails, ``load()`` returns None and callers fall back (a warning
-says why).
+file lock so concurrent workers build it once. No torch headers are involved: a build takes
+about a second. Where no compiler is found or the build fails, ``load()`` returns None and
+callers fall back (a warning says why).
 """
 
 from __future__ import annotations
@@ -28,24 +28,29 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
 _i64, _u64, _ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+_f = ctypes.c_float
 _SIGNATURES = {  # name -> {function: (restype, argtypes)}
-    "paged_attention": {
-        name: (None, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _ptr, _ptr])
-        for name in ("paged_decode_attention_bf16", "paged_decode_attention_f32")
+    "linear": {
+        "linear_f32": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64]),
+        "linear_bf16": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64]),
+        "linear_pack_f32": (None, [_ptr, _i64, _i64, _i64, _ptr]),
+        "linear_pack_bf16": (None, [_ptr, _i64, _i64, _i64, _ptr]),
+        "linear_packed_numel": (_i64, [_i64, _i64, ctypes.c_int]),
+        "linear_panel_cols": (_i64, []),
+        "fma_peak_probe": (_f, [_i64, ctypes.c_int]),
+        "fma_flops_per_instruction": (_i64, [ctypes.c_int]),
+        "linear_isa": (ctypes.c_char_p, []),
     },
-    "bf16_gemv": {
-        "bf16_gemv_available": (ctypes.c_int, []),
-        "pack_pairs": (None, [_ptr, _i64, _i64, _ptr]),
-        "bf16_gemv_rows": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr]),
-        "bf16_dot_peak_probe": (ctypes.c_float, [_i64]),
+    "pointwise": {
+        "add_rmsnorm": (None, [_ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _f, ctypes.c_int]),
+        "rope_inplace": (None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int]),
+        "silu_mul": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]),
     },
-    "prefill_attention": {
-        "prefill_attention_available": (ctypes.c_int, []),
-        "prefill_attention_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-                                                  ctypes.c_float, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr]),
-        "prefill_attention_scratch_bytes": (_i64, [_i64, _i64, _i64]),
+    "attention": {
+        "paged_attention": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
+                                           _ptr, _ptr, _i64, _f, _ptr, ctypes.c_int, _i64]),
     },
     "kv_blocks": {
         "kv_checksum_blocks": (_u64, [_ptr, _i64, _i64, _ptr, _i64, _i64, _u64]),
@@ -76,12 +81,12 @@ def _build(compiler: str, name: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
             tmp = target.with_suffix(f".{os.getpid()}.tmp")
-            subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(source), "-lm"], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(source), "-lm", "-lpthread"], check=True, capture_output=True, timeout=120)
             tmp.rename(target)
     return target
 
 
-def load(name: str = "paged_attention") -> ctypes.CDLL | None:
+def load(name: str) -> ctypes.CDLL | None:
     """The compiled library ``name`` (a .c file here), or None where it cannot be built (logged once)."""
     if name in _libs:
         return _libs[name]
@@ -101,3 +106,11 @@ def load(name: str = "paged_attention") -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = restype, argtypes
     _libs[name] = lib
     return lib
+
+
+def has_bf16_instructions() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16): there
+    bf16 runs natively and ``dtype: auto`` picks it. Elsewhere the kernels widen bf16 weights
+    to float32 in registers (linear.c)."""
+    flags = _cpu_flags().split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags

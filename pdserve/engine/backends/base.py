@@ -1,0 +1,125 @@
+"""The compute backend interface: a step's metadata, built once, and the ops that run it.
+
+As mini-sglang's ``attention/base.py``: ``prepare(batch)`` turns the scheduler's batch into
+a ``StepMetadata`` (token ids, positions, KV slots, block tables) once per step, and
+``forward(layer, q, k, v, meta)`` stores the layer's new K/V and attends. A backend also
+owns the model's arithmetic (``linear``, ``add_rmsnorm``, ``rope_``, ``silu_mul``), so one
+object decides how a step computes. Backends register by name (``backends/__init__.py``):
+``cpu`` (pdserve's C kernels), ``torch`` (portable reference), ``cuda`` (a GPU).
+
+Every CPU backend follows one numerics rule, batch invariance: a token's outputs depend on
+its own sequence only, never on the other rows of the step, so a request gets the same
+bits alone, in any batch, whole or chunked, decoded or recomputed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdserve.engine.kv_cache import PagedKVCache
+
+
+@dataclass
+class StepMetadata:
+    input_ids: torch.Tensor  # [N] int64, the step's new tokens, sequence after sequence
+    positions: torch.Tensor  # [N] int64, each token's position in its sequence
+    slot_mapping: torch.Tensor  # [N] int64, the pool slot each new token's K/V goes to
+    token_seq: torch.Tensor  # [N] int32, each token's sequence (row of block_tables)
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with block 0
+    query_starts: list[int]  # [S + 1] offsets of each sequence's new tokens
+    context_lens: list[int]  # [S] tokens of context (cached + new) per sequence
+    last_token_index: torch.Tensor  # [S] int64, each sequence's last new token (its logits row)
+    decode_only: bool  # one new token per sequence
+    # layer-wise streaming: (LayerProgress, tokens written once this step's layer is stored)
+    kv_progress: list[tuple[object, int]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # a backend's own (e.g. the cuda decode masks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_starts[-1]
+
+
+class Backend(ABC):
+    """One engine's compute: ``kv_cache`` is its pool, ``num_threads`` the threads a kernel may use."""
+
+    name = "base"
+
+    def __init__(self, kv_cache: PagedKVCache, num_threads: int = 1):
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.num_threads = num_threads
+
+    # -- step metadata -------------------------------------------------------------------------
+    def prepare(self, batch: list[tuple[Any, int]]) -> StepMetadata:
+        """batch: (Sequence, new tokens) pairs. Tokens num_computed .. num_computed + n of each."""
+        ids, positions, tables, token_seq, query_starts, context_lens = [], [], [], [], [0], []
+        bs = self.kv_cache.block_size
+        for i, (seq, num_new) in enumerate(batch):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            token_seq.extend([i] * num_new)
+            tables.append(seq.block_table[: -(-end // bs)])
+            query_starts.append(query_starts[-1] + num_new)
+            context_lens.append(end)
+        max_blocks = max(len(t) for t in tables)
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.long)
+        table_t = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        seq_t = torch.tensor(token_seq, dtype=torch.int32)
+        slots = table_t[seq_t.long(), pos // bs].long() * bs + pos % bs
+        meta = StepMetadata(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=pos.to(dev), slot_mapping=slots.to(dev),
+            token_seq=seq_t.to(dev), block_tables=table_t.to(dev), query_starts=query_starts, context_lens=context_lens,
+            last_token_index=torch.tensor(query_starts[1:], device=dev) - 1, decode_only=all(n == 1 for _, n in batch),
+            kv_progress=[(seq.kv_progress, min(seq.num_computed_tokens + n, seq.num_prompt_tokens))
+                         for seq, n in batch if seq.kv_progress is not None] or None)
+        self.prepare_extra(meta)
+        return meta
+
+    def prepare_extra(self, meta: StepMetadata) -> None:
+        """A backend's own per-step metadata, into ``meta.extra`` (default: none)."""
+
+    def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> None:
+        """k, v: [N, kv_heads, D] of the step's new tokens, into their slots of layer ``layer``."""
+        self.kv_cache.k[layer].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        self.kv_cache.v[layer].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        self.mark_stored(layer, meta)
+
+    def mark_stored(self, layer: int, meta: StepMetadata) -> None:
+        """Tell layer-wise readers that layer ``layer`` of the step's KV is in the pool."""
+        if meta.kv_progress:  # this layer's KV may go out now (kv_transfer/progress.py)
+            for progress, num_tokens in meta.kv_progress:
+                progress.mark(layer, num_tokens)
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
+        """Store k, v ([N, kv_heads, D]) and attend: q [N, heads, D] -> [N, heads * D].
+        Token t sees its sequence's positions 0 .. meta.positions[t]."""
+
+    # -- arithmetic ----------------------------------------------------------------------------
+    @abstractmethod
+    def pack(self, weight: torch.Tensor) -> Any:
+        """A linear layer's weight [N, K] in this backend's form (done once at load)."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, packed: Any, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [M, K] -> [M, out_features]."""
+
+    @abstractmethod
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual = residual + x (x itself when residual is None); returns
+        (RMSNorm(residual) * weight, residual), both [M, H]."""
+
+    @abstractmethod
+    def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x [T, heads, D] at positions [T], with tables cos, sin
+        [max_position, D] float32; in place where the backend can, returns the result."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [M, 2I] -> silu(gate) * up: [M, I]."""

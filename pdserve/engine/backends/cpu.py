@@ -1,0 +1,50 @@
+"""The ``cpu`` backend: pdserve's C kernels (engine/cpu/), batch invariant by construction.
+
+Linear layers run on weights packed once (linear.c), the norm, rotary and activation are
+fused row ops (pointwise.c), and attention reads the pool in place through the block
+tables (attention.c), one algorithm for prompt chunks and decode tokens. Each kernel passed
+its start-up self-check (``cpu.ops.available``) or the backend is not offered; where a
+kernel is missing, ``backends.select`` falls back to ``torch`` for the whole step, so a
+step never mixes two numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.backends.base import Backend, StepMetadata
+from pdserve.engine.cpu import ops
+
+
+def supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether every kernel built here and passed its self-check, for this dtype and device."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and all(ops.available(k) for k in ops.KERNELS)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
+        out = ops.paged_attention(q, self.kv_cache.k[layer], self.kv_cache.v[layer], meta.block_tables, meta.token_seq, meta.positions,
+                                  self.kv_cache.block_size, scale, self.num_threads, k_new=k, v_new=v, slots=meta.slot_mapping)
+        self.mark_stored(layer, meta)  # the kernel stored k, v first
+        return out
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return ops.pack(weight)
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        return ops.linear(x, packed, out_features, bias, self.num_threads)
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        if residual is None:
+            residual = torch.empty_like(x)
+            return ops.add_rmsnorm(x, residual, False, weight, eps), residual
+        return ops.add_rmsnorm(x, residual, True, weight, eps), residual
+
+    def rope_(self, x, positions, cos, sin):
+        ops.rope_(x, positions, cos, sin)
+        return x
+
+    def silu_mul(self, gate_up):
+        return ops.silu_mul(gate_up)

@@ -1,0 +1,70 @@
+"""The ``torch`` backend: plain torch ops, the portable reference (no compiler needed).
+
+On a CPU it keeps the numerics rule, batch invariance, the simple way: torch's matmul and
+SDPA sum a row differently with other rows beside it (measured: float32 ``F.linear`` and
+multi-query SDPA), so every linear row and every query row is its own call. That is correct
+and slow (a fallback: ``backends.select`` logs when it is taken). On a GPU, the ``cuda``
+backend batches the same ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.backends.base import Backend, StepMetadata
+
+
+def rms_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: float32 statistics, the normalised row cast back, then the weight."""
+    h = residual.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(residual.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate_half rotary: x [T, heads, D] -> a new [T, heads, D]."""
+    c, s = cos[positions][:, None].to(x.dtype), sin[positions][:, None].to(x.dtype)  # [T, 1, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * c + rotated * s
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
+        self.store_kv(layer, k, v, meta)
+        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # [kv_heads, slots, D]
+        heads, kv_heads, bs = q.shape[1], k_cache.shape[0], self.kv_cache.block_size
+        out = torch.empty(q.shape[0], heads, q.shape[2], dtype=q.dtype, device=q.device)
+        for i, end in enumerate(meta.context_lens):
+            start = meta.query_starts[i]
+            positions = torch.arange(end, device=q.device)
+            slots = meta.block_tables[i, positions // bs].long() * bs + positions % bs  # [end]
+            keys, values = k_cache[:, slots].unsqueeze(0), v_cache[:, slots].unsqueeze(0)  # [1, kv_heads, end, D]
+            for t in range(start, meta.query_starts[i + 1]):  # each query row by itself (see the module's docstring)
+                p = end - (meta.query_starts[i + 1] - t) + 1  # keys 0 .. position
+                row = F.scaled_dot_product_attention(q[t][None, :, None], keys[:, :, :p], values[:, :, :p], scale=scale,
+                                                     enable_gqa=heads != kv_heads)  # [1, heads, 1, D]
+                out[t] = row[0, :, 0]
+        return out.view(q.shape[0], -1)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.detach().contiguous()
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return F.linear(x, packed, bias)
+        return torch.cat([F.linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])  # one row per call: invariant
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        residual = x.clone() if residual is None else residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def rope_(self, x, positions, cos, sin):
+        return rope(x, positions, cos, sin)
+
+    def silu_mul(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,291 @@
+/* Paged causal attention over the KV pool, for prompt chunks and decode tokens alike.
+ *
+ * Token t of sequence s at position p attends to its sequence's keys 0..p, read in place
+ * from the pool through s's block table. Keys go in tiles of KT, aligned at position 0, with
+ * an online softmax (running max m, sum l, accumulator acc; FlashAttention's recurrence,
+ * Dao et al. 2022, eq. in sec. 3.1). Every query row is computed by itself in this one fixed
+ * order, so its output depends on p and its context only: the same bits whether the token
+ * is in a whole prompt, a chunk of it, a decode step, a batch of 1 or 64, or recomputed after
+ * preemption. The query heads that share a KV head are done together (one K/V load each),
+ * which changes no head's sums.
+ *
+ * Layouts: q [T, heads, D] (token stride ldq elements, heads contiguous D apart);
+ * k_cache, v_cache [kv_heads, slots, D] (slot = block * block_size + offset);
+ * block_tables [S, max_blocks] int32; token_seq [T] int32 (row of block_tables);
+ * positions [T] int64; out [T, heads, D] contiguous. bf != 0: q, K, V, out are bf16
+ * (uint16_t), math in float32, out rounded once.
+ */
+#include <float.h>
+#include <stdlib.h>
+
+#include "parallel.h"
+#include "simd.h"
+
+#define KT 16        /* keys per tile */
+#define MAX_GROUP 32 /* query heads per KV head */
+#define MAX_D 256
+#define QB 32 /* query tokens per unit: a tile is transposed once for all their rows */
+
+/* exp(x) elementwise for 16 floats, Cephes' expf polynomial (deterministic, ~1 ulp). */
+#if defined(__AVX512F__)
+static inline __m512 exp512(__m512 v) {
+    v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_sub_ps(v, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f)));
+    v = _mm512_sub_ps(v, _mm512_mul_ps(fx, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
+static void exp16(float *x) {
+#if defined(__AVX512F__)
+    _mm512_storeu_ps(x, exp512(_mm512_loadu_ps(x)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (int h = 0; h < 16; h += 8) {
+        __m256 v = _mm256_loadu_ps(x + h);
+        v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+        __m256 fx = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_sub_ps(v, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+        v = _mm256_sub_ps(v, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+        __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507E-3f));
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073E-3f));
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894E-2f));
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459E-1f));
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201E-1f));
+        y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.0f)));
+        __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+        _mm256_storeu_ps(x + h, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    }
+#else
+    for (int i = 0; i < 16; i++) x[i] = expf(x[i]);
+#endif
+}
+
+/* A row of n elements (float32 or bf16) widened into float32 dst. */
+static inline void widen_row(float *dst, const void *src, int64_t n, int bf) {
+    int64_t d = 0;
+    if (bf)
+        for (; d + VL <= n; d += VL) vstore(dst + d, vload_bf16((const uint16_t *)src + d));
+    else
+        for (; d + VL <= n; d += VL) vstore(dst + d, vload((const float *)src + d));
+    for (; d < n; d++) dst[d] = ld(src, d, bf);
+}
+
+#if defined(__AVX512F__)
+/* In-register transpose of 16 rows of 16 floats: out[i][j] = in[j][i]. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0xDD);
+        t[8 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+        r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xDD);
+    }
+}
+#endif
+
+/* The tile's keys transposed, kt[d][j] = k_j[d], and values widened, vt[j][d] = v_j[d], for
+ * j < n (zeros past n). A permutation and widening: no arithmetic, so no rounding. */
+static void load_tile(float *kt, float *vt, const char *const *kr, const char *const *vr, int64_t n, int64_t D, int bf) {
+    for (int64_t j = 0; j < KT; j++) {
+        if (j < n) widen_row(vt + j * D, vr[j], D, bf);
+        else memset(vt + j * D, 0, sizeof(float) * (size_t)D);
+    }
+    int64_t d0 = 0;
+#if defined(__AVX512F__)
+    for (; d0 + 16 <= D; d0 += 16) {
+        __m512 r[16];
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = j < n ? (bf ? vload_bf16((const uint16_t *)kr[j] + d0) : _mm512_loadu_ps((const float *)kr[j] + d0)) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(kt + (d0 + i) * KT, r[i]);
+    }
+#endif
+    for (int64_t d = d0; d < D; d++)
+        for (int64_t j = 0; j < KT; j++) kt[d * KT + j] = j < n ? ld(kr[j], d, bf) : 0.0f;
+}
+
+typedef struct {
+    const void *q, *k, *v;
+    void *out;
+    const int32_t *tables, *token_seq;
+    const int64_t *positions;
+    const int64_t *blocks; /* [num_units + 1] first token of each query block */
+    int64_t ldq, kv_head_stride, max_blocks, heads, kv_heads, D, block_size;
+    float scale;
+    int bf;
+} attn_args;
+
+/* One unit: query tokens [t0, t1) of one sequence (consecutive positions), all G query heads
+ * of KV head g. Rows r = (token, head). For each tile of KT keys, K is transposed once to
+ * kt[D][KT] and V widened to vt[KT][D] (float32), then every row:
+ *   s[j] = sum_d q[d] * k_j[d]      (d in order, in 4 interleaved partial sums per lane, added
+ *                                    as (s0 + s1) + (s2 + s3))
+ *   masked to keys <= the row's position; m, l, acc updated as FlashAttention's recurrence;
+ *   acc[d] += p_j * v_j[d]          (j in order)
+ * Nothing here depends on which other rows share the unit. */
+static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, float *work) {
+    const int64_t G = a->heads / a->kv_heads, D = a->D, es = a->bf ? 2 : 4, R = (t1 - t0) * G;
+    float *q = work, *acc = q + R * D, *kt = acc + R * D, *vt = kt + D * KT, *m = vt + KT * D, *l = m + R;
+    int64_t rowpos[QB * MAX_GROUP];
+    const int32_t *table = a->tables + (int64_t)a->token_seq[t0] * a->max_blocks;
+    const char *kh = (const char *)a->k + g * a->kv_head_stride * es, *vh = (const char *)a->v + g * a->kv_head_stride * es;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t h = 0; h < G; h++) {
+            int64_t r = (t - t0) * G + h;
+            const char *qr = (const char *)a->q + (t * a->ldq + (g * G + h) * D) * es;
+            for (int64_t d = 0; d < D; d++) q[r * D + d] = ld(qr, d, a->bf) * a->scale, acc[r * D + d] = 0.0f;
+            m[r] = -INFINITY, l[r] = 0.0f, rowpos[r] = a->positions[t];
+        }
+    int64_t last = a->positions[t1 - 1];
+    for (int64_t j0 = 0; j0 <= last; j0 += KT) {
+        int64_t n = last + 1 - j0 < KT ? last + 1 - j0 : KT;
+        const char *kr[KT], *vr[KT];
+        int64_t blk = j0 / a->block_size, off = j0 % a->block_size; /* walked, not divided, per key */
+        for (int64_t j = 0; j < n; j++) {
+            int64_t slot = (int64_t)table[blk] * a->block_size + off;
+            kr[j] = kh + slot * D * es, vr[j] = vh + slot * D * es;
+            if (++off == a->block_size) blk++, off = 0;
+        }
+        load_tile(kt, vt, kr, vr, n, D, a->bf);
+        for (int64_t r = 0; r < R; r++) {
+            int64_t p = rowpos[r], nr = p + 1 - j0 < KT ? p + 1 - j0 : KT; /* this row's keys in the tile */
+            if (nr <= 0) continue;
+            const float *qr = q + r * D;
+            float s[KT];
+            for (int64_t c = 0; c < KT; c += VL) {
+                vf s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();
+                int64_t d = 0;
+                for (; d + 4 <= D; d += 4) {
+                    s0 = vfma(vset1(qr[d]), vload(kt + d * KT + c), s0);
+                    s1 = vfma(vset1(qr[d + 1]), vload(kt + (d + 1) * KT + c), s1);
+                    s2 = vfma(vset1(qr[d + 2]), vload(kt + (d + 2) * KT + c), s2);
+                    s3 = vfma(vset1(qr[d + 3]), vload(kt + (d + 3) * KT + c), s3);
+                }
+                for (; d < D; d++) s0 = vfma(vset1(qr[d]), vload(kt + d * KT + c), s0);
+#if VL == 1
+                s[c] = (s0 + s1) + (s2 + s3);
+#else
+                vstore(s + c, vadd(vadd(s0, s1), vadd(s2, s3)));
+#endif
+            }
+#if defined(__AVX512F__) && KT == 16
+            /* the same steps in registers: lanes past nr masked out */
+            __mmask16 mk = (__mmask16)((1u << nr) - 1);
+            __m512 sv = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(s));
+            float mt = _mm512_reduce_max_ps(sv);
+#else
+            float mt = -INFINITY;
+            for (int64_t j = 0; j < nr; j++) mt = s[j] > mt ? s[j] : mt;
+#endif
+            float mn = m[r] > mt ? m[r] : mt;
+            float *ar = acc + r * D;
+            if (m[r] != mn && m[r] != -INFINITY) { /* rescale what came before */
+                float alpha = expf(m[r] - mn);
+                l[r] *= alpha;
+                vf av = vset1(alpha);
+                int64_t d = 0;
+                for (; d + VL <= D; d += VL) vstore(ar + d, vmul(vload(ar + d), av));
+                for (; d < D; d++) ar[d] *= alpha;
+            }
+            m[r] = mn;
+#if defined(__AVX512F__) && KT == 16
+            __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_maskz_sub_ps(mk, sv, _mm512_set1_ps(mn))));
+            l[r] += _mm512_reduce_add_ps(e);
+            _mm512_storeu_ps(s, e);
+#else
+            for (int64_t j = 0; j < KT; j++) s[j] = j < nr ? s[j] - mn : 0.0f;
+            exp16(s);
+            for (int64_t j = 0; j < nr; j++) l[r] += s[j];
+#endif
+            int64_t d = 0;
+            for (; d + 4 * VL <= D; d += 4 * VL) { /* four independent chains: the FMA latency hides */
+                vf o0 = vload(ar + d), o1 = vload(ar + d + VL), o2 = vload(ar + d + 2 * VL), o3 = vload(ar + d + 3 * VL);
+                for (int64_t j = 0; j < nr; j++) {
+                    vf pj = vset1(s[j]);
+                    const float *vj = vt + j * D + d;
+                    o0 = vfma(pj, vload(vj), o0), o1 = vfma(pj, vload(vj + VL), o1);
+                    o2 = vfma(pj, vload(vj + 2 * VL), o2), o3 = vfma(pj, vload(vj + 3 * VL), o3);
+                }
+                vstore(ar + d, o0), vstore(ar + d + VL, o1), vstore(ar + d + 2 * VL, o2), vstore(ar + d + 3 * VL, o3);
+            }
+            for (; d + VL <= D; d += VL) {
+                vf o = vload(ar + d);
+                for (int64_t j = 0; j < nr; j++) o = vfma(vset1(s[j]), vload(vt + j * D + d), o);
+                vstore(ar + d, o);
+            }
+            for (; d < D; d++)
+                for (int64_t j = 0; j < nr; j++) ar[d] = fmaf(s[j], vt[j * D + d], ar[d]);
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        int64_t t = t0 + r / G, h = r % G;
+        char *o = (char *)a->out + (t * a->heads + g * G + h) * D * es;
+        float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) st(o, d, acc[r * D + d] * inv, a->bf);
+    }
+}
+
+
+static void attend_range(const void *args, int64_t begin, int64_t end) {
+    const attn_args *a = (const attn_args *)args;
+    const int64_t G = a->heads / a->kv_heads, D = a->D, R = QB * G;
+    float *work = malloc(sizeof(float) * (size_t)(2 * R * D + 2 * D * KT + 2 * R));
+    for (int64_t unit = begin; unit < end; unit++) { /* unit = query block * kv_heads + kv head */
+        int64_t b = unit / a->kv_heads, g = unit % a->kv_heads;
+        attend_unit(a, a->blocks[b], a->blocks[b + 1], g, work);
+    }
+    free(work);
+}
+
+/* Stores the step's new keys and values (k_new, v_new: [T, kv_heads, D], token stride ldkv
+ * elements, heads D apart) into their slots (none when slots is NULL), then attends. Returns 0, or -1 for a head layout
+ * it does not take (group > MAX_GROUP, D > MAX_D). */
+int paged_attention(const void *q, int64_t T, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t D, void *k_cache,
+                    void *v_cache, int64_t kv_head_stride, const void *k_new, const void *v_new, int64_t ldkv, const int64_t *slots,
+                    const int32_t *block_tables, int64_t max_blocks, const int32_t *token_seq, const int64_t *positions,
+                    int64_t block_size, float scale, void *out, int bf, int64_t nthreads) {
+    if (heads % kv_heads || heads / kv_heads > MAX_GROUP || D > MAX_D || T <= 0) return T <= 0 ? 0 : -1;
+    const int64_t es = bf ? 2 : 4;
+    for (int64_t t = 0; slots && t < T; t++)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            int64_t dst = (g * kv_head_stride + slots[t] * D) * es, src = (t * ldkv + g * D) * es;
+            memcpy((char *)k_cache + dst, (const char *)k_new + src, (size_t)(D * es));
+            memcpy((char *)v_cache + dst, (const char *)v_new + src, (size_t)(D * es));
+        }
+    /* query blocks: up to QB consecutive tokens of one sequence, positions one apart */
+    int64_t *blocks = malloc(sizeof(int64_t) * (size_t)(T + 1)), nb = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (t == 0 || token_seq[t] != token_seq[t - 1] || positions[t] != positions[t - 1] + 1 || t - blocks[nb - 1] >= QB)
+            blocks[nb++] = t;
+    blocks[nb] = T;
+    attn_args a = {q, k_cache, v_cache, out, block_tables, token_seq, positions, blocks, ldq, kv_head_stride, max_blocks, heads, kv_heads, D, block_size, scale, bf};
+    parallel_ranges(attend_range, &a, nb * kv_heads, 1, nthreads);
+    free(blocks);
+    return 0;
+}

@@ -1,0 +1,210 @@
+/* Batch-invariant linear layers: y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]).
+ *
+ * Weights are packed once (linear_pack_*) into panels of NP output columns, k-major:
+ * panel p holds w[p*NP : (p+1)*NP, :] as [K, NP] (float32, and bf16 without AVX512-BF16) or
+ * [ceil(K/2), NP, 2] (bf16 pairs for vdpbf16ps). N is padded to a whole panel with zeros.
+ *
+ * The micro-kernel is an outer product: a tile of MR rows x NP columns keeps MR * NP / VL
+ * accumulators in registers, and for each k broadcasts x[r, k] against the panel's row k
+ * (GotoBLAS' register blocking; each weight vector feeds MR FMAs). Each output y[m, n] is one
+ * accumulator that adds x[m, k] * w[n, k] for k = 0, 1, ..., K-1 in order (bf16 with
+ * vdpbf16ps: pairs k = 2i, 2i+1 in order), then the bias. That order depends on K only:
+ * not on M, on the row's place in the batch, on the tile, nor on the thread count (threads
+ * split panels). So a token's outputs are the same bits alone, in any batch, in a prefill or
+ * a decode step: what tests/test_batch_invariance.py checks end to end.
+ *
+ * A panel ([K, NP]: 147 KB at K = 576 in float32) stays in L2 while all row tiles pass it.
+ * dtypes: float32 (x, w, y float32); bf16 (x, w, bias, y bf16; sums in float32, y rounded to
+ * nearest even once). Without AVX512-BF16, bf16 weights widen to float32 in registers: half
+ * the weight bytes of float32 on AVX2, where torch's own bf16 matmul is a slow loop.
+ */
+#include "parallel.h"
+#include "simd.h"
+
+#ifndef NC
+#if VL == 16
+#define NC 4 /* vectors per panel row: MR * NC accumulators + NC weights + 1 broadcast registers */
+#elif VL == 8
+#define NC 2
+#else
+#define NC 4
+#endif
+#endif
+#ifndef MR
+#define MR 6 /* rows per tile */
+#endif
+#define NP (NC * VL) /* columns per panel */
+
+typedef struct {
+    const void *x, *w, *bias;
+    void *y;
+    int64_t M, K, N, ldx, ldy;
+} linear_args;
+
+int64_t linear_panel_cols(void) { return NP; }
+
+/* Elements of the packed weight for [N, K] (dtype bf16 != 0 or float32). */
+int64_t linear_packed_numel(int64_t N, int64_t K, int bf) {
+    int64_t np = (N + NP - 1) / NP;
+    return np * NP * (bf ? 2 * ((K + 1) / 2) : K);
+}
+
+void linear_pack_f32(const float *w, int64_t N, int64_t K, int64_t ldw, float *out) {
+    for (int64_t p = 0; p * NP < N; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < NP; j++) {
+                int64_t n = p * NP + j;
+                out[(p * K + k) * NP + j] = n < N ? w[n * ldw + k] : 0.0f;
+            }
+}
+
+void linear_pack_bf16(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, uint16_t *out) {
+    int64_t K2 = (K + 1) / 2;
+    for (int64_t p = 0; p * NP < N; p++)
+        for (int64_t j = 0; j < NP; j++) {
+            int64_t n = p * NP + j;
+            for (int64_t k = 0; k < 2 * K2; k++) {
+                uint16_t v = n < N && k < K ? w[n * ldw + k] : 0;
+#if defined(__AVX512BF16__)
+                out[((p * K2 + k / 2) * NP + j) * 2 + k % 2] = v; /* [K2, NP, 2] */
+#else
+                out[(p * 2 * K2 + k) * NP + j] = v; /* [K (+1), NP] */
+#endif
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t ldx, const float *wp, int64_t K, const float *bias,
+                                                           float *y, int64_t ldy, int64_t ncols, const int R) {
+    vf acc[MR][NC];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = vzero();
+    for (int64_t k = 0; k < K; k++) {
+        vf wv[NC];
+        for (int c = 0; c < NC; c++) wv[c] = vload(wp + k * NP + c * VL);
+        for (int r = 0; r < R; r++) {
+            vf xv = vset1(x[r * ldx + k]);
+            for (int c = 0; c < NC; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+        }
+    }
+    float buf[NP];
+    for (int r = 0; r < R; r++) {
+        for (int c = 0; c < NC; c++) vstore(buf + c * VL, acc[r][c]);
+        for (int64_t j = 0; j < ncols; j++) y[r * ldy + j] = bias ? buf[j] + bias[j] : buf[j];
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t K,
+                                                            const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t ncols, const int R) {
+    int64_t K2 = (K + 1) / 2;
+#if defined(__AVX512BF16__)
+    __m512 acc[MR][NC];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k2 = 0; k2 < K2; k2++) {
+        __m512i wv[NC];
+        for (int c = 0; c < NC; c++) wv[c] = _mm512_loadu_si512((const void *)(wp + (k2 * NP + c * VL) * 2));
+        for (int r = 0; r < R; r++) {
+            const uint16_t *xr = x + r * ldx + 2 * k2;
+            int32_t pair = 2 * k2 + 1 < K ? *(const int32_t *)xr : (int32_t)xr[0]; /* odd K: (x[K-1], 0) */
+            __m512i xv = _mm512_set1_epi32(pair);
+            for (int c = 0; c < NC; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)wv[c]);
+        }
+    }
+#else
+    vf acc[MR][NC];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = vzero();
+    for (int64_t k = 0; k < K; k++) {
+        vf wv[NC];
+        for (int c = 0; c < NC; c++) wv[c] = vload_bf16(wp + k * NP + c * VL);
+        for (int r = 0; r < R; r++) {
+            vf xv = vset1(bf16_to_f32(x[r * ldx + k]));
+            for (int c = 0; c < NC; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+        }
+    }
+    (void)K2;
+#endif
+    float buf[NP];
+    for (int r = 0; r < R; r++) {
+        for (int c = 0; c < NC; c++) vstore(buf + c * VL, acc[r][c]);
+        for (int64_t j = 0; j < ncols; j++) y[r * ldy + j] = bf16_round(bias ? buf[j] + bf16_to_f32(bias[j]) : buf[j]);
+    }
+}
+
+#define CASE(TILE, R) \
+    case R: TILE(xp, a->ldx, wp, a->K, bp, yp, a->ldy, ncols, R); break;
+
+#define RANGE(NAME, TILE, T, PANEL_NUMEL)                                                           \
+    static void NAME(const void *args, int64_t p_begin, int64_t p_end) {                            \
+        const linear_args *a = (const linear_args *)args;                                           \
+        for (int64_t p = p_begin; p < p_end; p++) {                                                 \
+            int64_t n = p * NP, ncols = a->N - n < NP ? a->N - n : NP;                              \
+            const T *wp = (const T *)a->w + p * (PANEL_NUMEL);                                      \
+            const T *bp = a->bias ? (const T *)a->bias + n : 0;                                     \
+            for (int64_t m = 0; m < a->M; m += MR) {                                                \
+                const T *xp = (const T *)a->x + m * a->ldx;                                         \
+                T *yp = (T *)a->y + m * a->ldy + n;                                                 \
+                switch (a->M - m < MR ? (int)(a->M - m) : MR) {                                     \
+                    CASE(TILE, 1) CASE(TILE, 2) CASE(TILE, 3) CASE(TILE, 4) CASE(TILE, 5)           \
+                    default: TILE(xp, a->ldx, wp, a->K, bp, yp, a->ldy, ncols, MR);                 \
+                    break;                                                                          \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+RANGE(range_f32, tile_f32, float, a->K * NP)
+RANGE(range_bf16, tile_bf16, uint16_t, 2 * ((a->K + 1) / 2) * NP)
+
+/* x: [M, K] (row stride ldx elements); wp: packed [N, K] (linear_pack_*); bias: [N] or NULL;
+ * y: [M, N] (row stride ldy). nthreads >= 1 split the panels. */
+void linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp, int64_t N, const float *bias, float *y,
+                int64_t ldy, int64_t nthreads) {
+    linear_args a = {x, wp, bias, y, M, K, N, ldx, ldy};
+    parallel_ranges(range_f32, &a, (N + NP - 1) / NP, 1, M * N * K < (1 << 18) ? 1 : nthreads);
+}
+
+void linear_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N, const uint16_t *bias,
+                 uint16_t *y, int64_t ldy, int64_t nthreads) {
+    linear_args a = {x, wp, bias, y, M, K, N, ldx, ldy};
+    parallel_ranges(range_bf16, &a, (N + NP - 1) / NP, 1, M * N * K < (1 << 18) ? 1 : nthreads);
+}
+
+const char *linear_isa(void) { return simd_isa(); }
+
+/* The most FMA work one thread can issue: 24 independent chains of the micro-kernel's
+ * instruction (vdpbf16ps for bf != 0 on AVX512-BF16, else the float32 vector FMA; bf16
+ * without the instruction runs float32 FMAs too). Returns a value so the work is kept;
+ * FLOPs = iters * 24 * (VL * 2, doubled again for vdpbf16ps's pairs). */
+float fma_peak_probe(int64_t iters, int bf) {
+    vf acc[24];
+    for (int i = 0; i < 24; i++) acc[i] = vset1((float)i * 1e-3f);
+    vf a = vset1(1.0000001f), b = vset1(0.9999999f);
+#if defined(__AVX512BF16__)
+    if (bf) {
+        __m512 c[24];
+        for (int i = 0; i < 24; i++) c[i] = acc[i];
+        __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3f80);
+        for (int64_t t = 0; t < iters; t++)
+            for (int i = 0; i < 24; i++) c[i] = _mm512_dpbf16_ps(c[i], x, y);
+        float s = 0;
+        for (int i = 0; i < 24; i++) s += vsum(c[i]);
+        return s;
+    }
+#endif
+    (void)bf;
+    for (int64_t t = 0; t < iters; t++)
+        for (int i = 0; i < 24; i++) acc[i] = vfma(a, acc[i], b);
+    float s = 0;
+    for (int i = 0; i < 24; i++) s += vsum(acc[i]);
+    return s;
+}
+
+int64_t fma_flops_per_instruction(int bf) {
+#if defined(__AVX512BF16__)
+    if (bf) return VL * 4;
+#endif
+    (void)bf;
+    return VL * 2;
+}

@@ -1,0 +1,173 @@
+"""Python face of the C kernels (linear.c, pointwise.c, attention.c) over torch tensors.
+
+Each function takes and returns CPU tensors of one dtype, float32 or bfloat16, with the
+shapes in its docstring. Calls go through ctypes (about 1-3 us each). ``available()`` says
+which kernels built and passed their start-up self-check (``self_check``); a kernel that fails
+it is disabled with a warning and its caller takes the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.engine import cpu
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("linear", "pointwise", "attention")
+_ok: dict[str, bool] = {}
+
+
+def _lib(name: str):
+    return cpu.load(name)
+
+
+def _bf(t: torch.Tensor) -> int:
+    if t.dtype == torch.bfloat16:
+        return 1
+    if t.dtype == torch.float32:
+        return 0
+    raise ValueError(f"pdserve's CPU kernels take float32 or bfloat16, not {t.dtype}")
+
+
+def isa() -> str | None:
+    """The vector ISA the kernels were built for ("avx512_bf16", "avx512f", "avx2",
+    "portable"), or None where they did not build."""
+    lib = _lib("linear")
+    return lib.linear_isa().decode() if lib is not None else None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight: [N, K] float32 or bf16 (an nn.Linear's). Returns it packed for ``linear``
+    (linear.c's panels; a flat tensor of the same dtype)."""
+    N, K = weight.shape
+    lib = _lib("linear")
+    w = weight.detach().contiguous()
+    out = torch.empty(lib.linear_packed_numel(N, K, _bf(w)), dtype=w.dtype)
+    (lib.linear_pack_bf16 if _bf(w) else lib.linear_pack_f32)(w.data_ptr(), N, K, K, out.data_ptr())
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None, num_threads: int = 1) -> torch.Tensor:
+    """x: [M, K] (rows may be strided, elements contiguous); packed: ``pack(weight)`` of a
+    [out_features, K] weight; bias: [out_features] or None. Returns [M, out_features] in x's
+    dtype. Each output is summed in an order that depends on K only (linear.c), so a row's
+    result is the same bits in any batch."""
+    M, K = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((M, out_features), dtype=x.dtype)
+    fn = _lib("linear").linear_bf16 if _bf(x) else _lib("linear").linear_f32
+    fn(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), out_features, bias.data_ptr() if bias is not None else None,
+       out.data_ptr(), out_features, num_threads)
+    return out
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, add: bool, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, residual: [M, H] (residual contiguous, updated in place: residual + x, or x when
+    ``add`` is False); weight: [H]. Returns RMSNorm(residual) * weight: [M, H]."""
+    M, H = x.shape
+    out = torch.empty((M, H), dtype=x.dtype)
+    _lib("pointwise").add_rmsnorm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), int(add), weight.data_ptr(),
+                                  out.data_ptr(), H, M, H, eps, _bf(x))
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place. x: [T, heads, D] (head dim contiguous, other strides free);
+    positions: [T] int64; cos, sin: [max_position, D] float32."""
+    T, heads, D = x.shape
+    _lib("pointwise").rope_inplace(x.data_ptr(), T, heads, D, x.stride(0), x.stride(1), positions.data_ptr(), cos.data_ptr(),
+                                   sin.data_ptr(), _bf(x))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [M, 2I] (gate then up). Returns silu(gate) * up: [M, I]."""
+    M, two_i = gate_up.shape
+    out = torch.empty((M, two_i // 2), dtype=gate_up.dtype)
+    _lib("pointwise").silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), two_i // 2, M, two_i // 2, _bf(gate_up))
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, token_seq: torch.Tensor,
+                    positions: torch.Tensor, block_size: int, scale: float, num_threads: int = 1, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, heads, D] (token stride free, heads contiguous); k_cache, v_cache:
+    [kv_heads, slots, D] contiguous (one layer of the pool); k_new, v_new: [T, kv_heads, D]
+    (heads contiguous, token stride free, the same for both) and slots: [T] int64, the step's
+    new keys and values and where they go (stored first); or None when already stored.
+    block_tables: [S, max_blocks] int32; token_seq: [T] int32, each token's row of
+    block_tables; positions: [T] int64. Token t attends to its sequence's positions
+    0..positions[t]. Returns [T, heads * D]. Raises ValueError for a head layout the kernel
+    does not take (more than 32 query heads per KV head, or D > 256)."""
+    T, heads, D = q.shape
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
+    ldkv = 0
+    if k_new is not None:
+        if k_new.stride() != v_new.stride() or k_new.stride(2) != 1 or k_new.stride(1) != D:
+            k_new, v_new = k_new.contiguous(), v_new.contiguous()
+        ldkv = k_new.stride(0)
+    out = torch.empty((T, heads * D), dtype=q.dtype)
+    rc = _lib("attention").paged_attention(
+        q.data_ptr(), T, q.stride(0), heads, k_cache.shape[0], D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        k_new.data_ptr() if k_new is not None else None, v_new.data_ptr() if k_new is not None else None, ldkv,
+        slots.data_ptr() if k_new is not None else None,
+        block_tables.data_ptr(), block_tables.shape[1], token_seq.data_ptr(), positions.data_ptr(), block_size, scale,
+        out.data_ptr(), _bf(q), num_threads)
+    if rc != 0:
+        raise ValueError(f"paged attention kernel: unsupported heads {heads}/{k_cache.shape[0]} or head_dim {D}")
+    return out
+
+
+def _check_one(name: str, dtype: torch.dtype) -> None:
+    """Raise AssertionError if kernel ``name`` disagrees with plain torch on random data."""
+    g = torch.Generator().manual_seed(0)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    if name == "linear":
+        x, w, b = rnd(5, 70), rnd(9, 70), rnd(9)
+        torch.testing.assert_close(linear(x, pack(w), 9, b).float(), (x.float() @ w.float().T + b.float()), **tol)
+    elif name == "pointwise":
+        x, r, w = rnd(3, 40), rnd(3, 40), rnd(40)
+        ref_r = (r.float() + x.float()).to(dtype)
+        ref = w.float() * (ref_r.float() * torch.rsqrt(ref_r.float().pow(2).mean(-1, keepdim=True) + 1e-5))
+        out = add_rmsnorm(x, r, True, w, 1e-5)
+        torch.testing.assert_close(r, ref_r, **tol)
+        torch.testing.assert_close(out.float(), ref, **tol)
+        gu = rnd(3, 16)
+        torch.testing.assert_close(silu_mul(gu).float(), torch.nn.functional.silu(gu[:, :8].float()) * gu[:, 8:].float(), **tol)
+        q, pos = rnd(2, 2, 8), torch.tensor([0, 5])
+        cos, sin = torch.rand(6, 8, generator=g), torch.rand(6, 8, generator=g)
+        rot = torch.cat([-q[..., 4:], q[..., :4]], -1).float()
+        ref = q.float() * cos[pos][:, None] + rot * sin[pos][:, None]
+        rope_(q, pos, cos, sin)
+        torch.testing.assert_close(q.float(), ref, **tol)
+    elif name == "attention":
+        heads, kv_heads, D, bs, n = 4, 2, 16, 4, 11
+        k, v, q = rnd(kv_heads, 4 * bs, D), rnd(kv_heads, 4 * bs, D), rnd(n, heads, D)
+        table = torch.tensor([[3, 1, 0, 2]], dtype=torch.int32)
+        slots = (table[0].long()[:, None] * bs + torch.arange(bs)).view(-1)[:n]
+        out = paged_attention(q, k, v, table, torch.zeros(n, dtype=torch.int32), torch.arange(n), bs, D ** -0.5)
+        kk = k[:, slots].float().repeat_interleave(2, 0)
+        vv = v[:, slots].float().repeat_interleave(2, 0)
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), kk, vv, is_causal=True)
+        torch.testing.assert_close(out.float().view(n, heads, D), ref.transpose(0, 1), **tol)
+
+
+def available(name: str) -> bool:
+    """Whether kernel ``name`` (one of KERNELS) built here and passed its self-check in both
+    dtypes (checked once per process; a failure is logged and disables it)."""
+    if name not in _ok:
+        ok = _lib(name) is not None
+        if ok:
+            try:
+                for dtype in (torch.float32, torch.bfloat16):
+                    _check_one(name, dtype)
+            except (AssertionError, ValueError, OSError) as e:
+                logger.warning("pdserve: the %s kernel failed its self-check against torch (%s); using torch for it", name, e)
+                ok = False
+        _ok[name] = ok
+    return _ok[name]

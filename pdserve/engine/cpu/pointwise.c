@@ -1,0 +1,86 @@
+/* The step's row-wise ops, fused: residual add + RMSNorm, rotary in place, SiLU * mul.
+ *
+ * Every op works on one token's row by itself, with reductions in simd.h's fixed order, so
+ * a row's bits never depend on the other rows (batch invariance). bf != 0: tensors are bf16
+ * (uint16_t), computed in float32 and rounded where HF rounds (noted per op); else float32.
+ */
+#include "parallel.h"
+#include "simd.h"
+
+/* Row sum of squares, in simd.h's order. */
+static float sum_squares(const void *row, int64_t n, int bf) {
+    vf acc = vzero();
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        vf v = bf ? vload_bf16((const uint16_t *)row + i) : vload((const float *)row + i);
+        acc = vfma(v, v, acc);
+    }
+    float s = vsum(acc);
+    for (; i < n; i++) {
+        float v = ld(row, i, bf);
+        s = fmaf(v, v, s);
+    }
+    return s;
+}
+
+/* For each of M rows of H: residual += x (rounded to the dtype, as HF's bf16 add), unless
+ * add == 0, then residual = x; out = weight * (residual * rsqrt(mean(residual^2) + eps))
+ * with HF LlamaRMSNorm's two roundings in bf16 (the normalised row, then the product).
+ * x, residual, out: [M, H] with row strides ldx, ldr, ldo elements; weight: [H]. */
+void add_rmsnorm(const void *x, int64_t ldx, void *residual, int64_t ldr, int add, const void *weight, void *out, int64_t ldo,
+                 int64_t M, int64_t H, float eps, int bf) {
+    int64_t es = bf ? 2 : 4;
+    for (int64_t m = 0; m < M; m++) {
+        const char *xr = (const char *)x + m * ldx * es;
+        char *rr = (char *)residual + m * ldr * es, *orow = (char *)out + m * ldo * es;
+        for (int64_t i = 0; i < H; i++) st(rr, i, add ? ld(rr, i, bf) + ld(xr, i, bf) : ld(xr, i, bf), bf);
+        float inv = 1.0f / sqrtf(sum_squares(rr, H, bf) / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) {
+            float h = ld(rr, i, bf) * inv;
+            if (bf) h = bf16_to_f32(bf16_round(h));
+            st(orow, i, ld(weight, i, bf) * h, bf);
+        }
+    }
+}
+
+/* Rotary embedding in place (HF's rotate_half form, as Llama and Qwen2 use):
+ * x[t, h, i] for i < D/2 becomes x_i cos_i - x_{i+D/2} sin_i; x[t, h, i + D/2] becomes
+ * x_{i+D/2} cos_{i+D/2} + x_i sin_{i+D/2}; each product rounded to float32 before the sum (built
+ * with -ffp-contract=off), as torch's two multiplies and an add (bf16: one rounding at the end).
+ * x: [T, heads, D] with token stride ldt and head stride ldh elements; positions: [T];
+ * cos, sin: [max_position, D] float32 (HF's rotary table, attention scaling included). */
+void rope_inplace(void *x, int64_t T, int64_t heads, int64_t D, int64_t ldt, int64_t ldh, const int64_t *positions,
+                  const float *cos_t, const float *sin_t, int bf) {
+    int64_t half = D / 2, es = bf ? 2 : 4;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
+        for (int64_t h = 0; h < heads; h++) {
+            char *row = (char *)x + (t * ldt + h * ldh) * es;
+            for (int64_t i = 0; i < half; i++) {
+                float a = ld(row, i, bf), b = ld(row, i + half, bf);
+                float p1 = a * c[i], p2 = (-b) * s[i], p3 = b * c[i + half], p4 = a * s[i + half];
+                st(row, i, p1 + p2, bf);
+                st(row, i + half, p3 + p4, bf);
+            }
+        }
+    }
+}
+
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: gate and up side by side (the fused gate-up
+ * linear's output). silu(g) = g / (1 + exp(-g)); bf16 rounds silu(g) then the product, as HF.
+ * gu: [M, 2I] row stride ldg; out: [M, I] row stride ldo. */
+void silu_mul(const void *gu, int64_t ldg, void *out, int64_t ldo, int64_t M, int64_t I, int bf) {
+    int64_t es = bf ? 2 : 4;
+    for (int64_t m = 0; m < M; m++) {
+        const char *g = (const char *)gu + m * ldg * es;
+        char *o = (char *)out + m * ldo * es;
+        for (int64_t i = 0; i < I; i++) {
+            float a = ld(g, i, bf);
+            float act = a / (1.0f + expf(-a));
+            if (bf) act = bf16_to_f32(bf16_round(act));
+            st(o, i, act * ld(g, I + i, bf), bf);
+        }
+    }
+}
+
+const char *pointwise_isa(void) { return simd_isa(); }

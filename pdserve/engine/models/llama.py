@@ -1,0 +1,93 @@
+"""The Llama family (Llama, Qwen2, SmolLM): pdserve's own forward over engine/layers.
+
+Per decoder layer, six backend calls and two norms:
+
+    x, res = add_rmsnorm(h, res)             # [N, H]
+    q, k, v = split(qkv(x))                  # fused QKV: [N, (heads + 2 kv_heads) * D]
+    rope_(q, k)                              # in place, one call
+    o = attention(q, k, v)                   # stores k, v in the pool: [N, heads * D]
+    x, res = add_rmsnorm(o_proj(o), res)
+    h = down(silu_mul(gate_up(x)))           # fused gate-up: [N, 2 I]
+
+The weights come from the transformers model loaded by ``model_loader`` (HF directories and
+GGUF alike); its modules are not called. Shapes follow the config: Qwen2 adds biases to the
+QKV projection, Llama may (``attention_bias``, ``mlp_bias``); both tie or untie lm_head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.backends.base import Backend, StepMetadata
+from pdserve.engine.layers import Linear, RMSNorm, Rotary
+from pdserve.engine.layers.rotary import rotary_tables
+
+
+def _cat(params: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
+    found = [params.get(n) for n in names]
+    if all(t is None for t in found):
+        return None
+    return torch.cat([t for t in found if t is not None])
+
+
+class DecoderLayer:
+    def __init__(self, backend: Backend, params: dict[str, torch.Tensor], prefix: str, index: int, cfg, rotary: Rotary):
+        self.backend, self.index, self.rotary = backend, index, rotary
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim ** -0.5
+        eps = cfg.rms_norm_eps
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        qkv = [attn + p for p in ("q_proj", "k_proj", "v_proj")]
+        self.qkv = Linear(backend, _cat(params, [n + ".weight" for n in qkv]), _cat(params, [n + ".bias" for n in qkv]))
+        self.o_proj = Linear(backend, params[attn + "o_proj.weight"], params.get(attn + "o_proj.bias"))
+        gate_up = [mlp + "gate_proj", mlp + "up_proj"]
+        self.gate_up = Linear(backend, _cat(params, [n + ".weight" for n in gate_up]), _cat(params, [n + ".bias" for n in gate_up]))
+        self.down = Linear(backend, params[mlp + "down_proj.weight"], params.get(mlp + "down_proj.bias"))
+        self.input_norm = RMSNorm(backend, params[prefix + "input_layernorm.weight"], eps)
+        self.post_norm = RMSNorm(backend, params[prefix + "post_attention_layernorm.weight"], eps)
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [N, H] the previous layer's output; residual: [N, H] or None (first layer)."""
+        n, d = h.shape[0], self.head_dim
+        x, residual = self.input_norm(h, residual)
+        qkv = self.qkv(x)  # [N, (heads + 2 kv_heads) * D]
+        q_end, k_end = self.heads * d, (self.heads + self.kv_heads) * d
+        qk = self.rotary(qkv[:, :k_end].view(n, self.heads + self.kv_heads, d), meta.positions)  # q and k heads side by side
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
+        v = qkv[:, k_end:].view(n, self.kv_heads, d)
+        o = self.backend.forward(self.index, q, k, v, meta, self.scale)  # [N, heads * D]
+        x, residual = self.post_norm(self.o_proj(o), residual)
+        return self.down(self.backend.silu_mul(self.gate_up(x))), residual
+
+
+class LlamaForCausalLM:
+    """pdserve's model for ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints."""
+
+    def __init__(self, hf_model: torch.nn.Module, backend: Backend, max_positions: int):
+        """hf_model: the loaded transformers model (weights, config, rotary table);
+        max_positions: the longest sequence the engine serves (the rotary table's length)."""
+        cfg = hf_model.config
+        self.config, self.backend = cfg, backend
+        self.dtype = hf_model.dtype
+        self.device = next(hf_model.parameters()).device
+        params = dict(hf_model.named_parameters(remove_duplicate=False))
+        hf_inner = hf_model.get_decoder()
+        cos, sin = rotary_tables(hf_inner.rotary_emb, max(max_positions, 1), self.device)
+        rotary = Rotary(backend, cos, sin)
+        self.embed = params["model.embed_tokens.weight"].detach()
+        self.layers = [DecoderLayer(backend, params, f"model.layers.{i}.", i, cfg, rotary) for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(backend, params["model.norm.weight"], cfg.rms_norm_eps)
+        self.lm_head = Linear(backend, params.get("lm_head.weight", self.embed))
+
+    @torch.inference_mode()
+    def forward(self, meta: StepMetadata) -> torch.Tensor:
+        """One step over ``meta``'s N new tokens. Returns logits [S, vocab] float32 at each
+        sequence's last new token."""
+        h, residual = F.embedding(meta.input_ids, self.embed), None  # [N, H]
+        for layer in self.layers:
+            h, residual = layer(h, residual, meta)
+        last = meta.last_token_index
+        x, _ = self.norm(h[last], residual[last].clone())  # [S, H]: only the rows that sample
+        return self.lm_head(x).float()  # [S, vocab]
