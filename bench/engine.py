@@ -246,7 +246,7 @@ def main() -> None:
           f"matmul fp32 {hw['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {hw['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s ({hw['num_threads']} thread{'s' if hw['num_threads'] != 1 else ''})"
           + (f"; FMA instruction peak {instruction_peak / 1e9:.0f} GFLOP/s (1 thread)" if instruction_peak else ""))
     print("targets:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in targets.items()}))
-    print(f"wrote {out / 'engine.json'} and {out / 'engine.png'}")
+    print(f"wrote {out / 'engine.json'}" + ("" if args.no_plot else f" and {out / 'engine.png'}"))
 
 
 def print_tables(result: dict) -> None:

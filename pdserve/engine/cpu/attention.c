@@ -6,8 +6,9 @@
  * Dao et al. 2022, eq. in sec. 3.1). Every query row is computed by itself in this one fixed
  * order, so its output depends on p and its context only: the same bits whether the token
  * is in a whole prompt, a chunk of it, a decode step, a batch of 1 or 64, or recomputed after
- * preemption. The query heads that share a KV head are done together (one K/V load each),
- * which changes no head's sums.
+ * preemption. The query heads that share a KV head, and up to QB consecutive tokens of a
+ * sequence, are done together (each key and value widened once for all their rows), which
+ * changes no row's sums.
  *
  * Layouts: q [T, heads, D] (token stride ldq elements, heads contiguous D apart);
  * k_cache, v_cache [kv_heads, slots, D] (slot = block * block_size + offset);
@@ -24,7 +25,7 @@
 #define KT 16        /* keys per tile */
 #define MAX_GROUP 32 /* query heads per KV head */
 #define MAX_D 256
-#define QB 32 /* query tokens per unit: a tile is transposed once for all their rows */
+#define QB 32 /* query tokens per unit: a tile is widened once for all their rows */
 
 /* exp(x) elementwise for 16 floats, Cephes' expf polynomial (deterministic, ~1 ulp). */
 #if defined(__AVX512F__)
@@ -107,27 +108,80 @@ static inline void transpose16(__m512 r[16]) {
         r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xDD);
     }
 }
-#endif
 
-/* The tile's keys transposed, kt[d][j] = k_j[d], and values widened, vt[j][d] = v_j[d], for
- * j < n (zeros past n). A permutation and widening: no arithmetic, so no rounding. */
-static void load_tile(float *kt, float *vt, const char *const *kr, const char *const *vr, int64_t n, int64_t D, int bf) {
-    for (int64_t j = 0; j < KT; j++) {
-        if (j < n) widen_row(vt + j * D, vr[j], D, bf);
-        else memset(vt + j * D, 0, sizeof(float) * (size_t)D);
-    }
-    int64_t d0 = 0;
-#if defined(__AVX512F__)
-    for (; d0 + 16 <= D; d0 += 16) {
+/* The tile's keys transposed, kt[d][j] = k_j[d] (zeros past n): a permutation, no rounding. */
+static void transpose_keys(float *kt, const char *const *kr, int64_t n, int64_t D, int bf) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
         __m512 r[16];
         for (int64_t j = 0; j < 16; j++)
             r[j] = j < n ? (bf ? vload_bf16((const uint16_t *)kr[j] + d0) : _mm512_loadu_ps((const float *)kr[j] + d0)) : _mm512_setzero_ps();
         transpose16(r);
         for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(kt + (d0 + i) * KT, r[i]);
     }
+}
+
+/* tile_scores' sums for many rows, keys in lanes: lane-class accumulators c_l (l = d mod 16)
+ * over the transposed keys, then vsum()'s tree over l. Each key's sums are the very
+ * operations tile_scores does for it, so the bits are the same. D % 16 == 0. */
+static inline void tile_scores_transposed(float *s, const float *q, const float *kt, int64_t D) {
+    __m512 c[16];
+    for (int l = 0; l < 16; l++) c[l] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 16)
+        for (int l = 0; l < 16; l++) c[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[d0 + l]), _mm512_loadu_ps(kt + (d0 + l) * KT), c[l]);
+    for (int l = 0; l < 8; l++) c[l] = _mm512_add_ps(c[l], c[l + 8]);
+    for (int l = 0; l < 4; l++) c[l] = _mm512_add_ps(c[l], c[l + 4]);
+    for (int l = 0; l < 2; l++) c[l] = _mm512_add_ps(c[l], c[l + 2]);
+    _mm512_storeu_ps(s, _mm512_add_ps(c[0], c[1]));
+}
 #endif
-    for (int64_t d = d0; d < D; d++)
-        for (int64_t j = 0; j < KT; j++) kt[d * KT + j] = j < n ? ld(kr[j], d, bf) : 0.0f;
+
+/* s[j] = q . k_j for the tile's keys j < n (0 past n). Each is one vector accumulator over d
+ * in chunks of VL (lane l sums d = l, l + VL, ... in order), its lanes then added in vsum()'s
+ * tree: on AVX-512 (D a multiple of 16) by a network that sums 16 keys' lanes at once in that
+ * same tree, elsewhere by vsum() per key (then the D % VL tail in order). Keys are widened
+ * from kr[j] as they are read. */
+static inline void tile_scores(float *s, const float *q, const char *const *kr, int64_t n, int64_t D, int bf) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        __m512 a[16];
+        for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) { /* chunk by chunk across the keys: 16 independent chains */
+            __m512 qc = _mm512_loadu_ps(q + c);
+            if (n == 16 && bf)
+                for (int j = 0; j < 16; j++) a[j] = _mm512_fmadd_ps(qc, vload_bf16((const uint16_t *)kr[j] + c), a[j]);
+            else if (n == 16)
+                for (int j = 0; j < 16; j++) a[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps((const float *)kr[j] + c), a[j]);
+            else
+                for (int j = 0; j < 16; j++)
+                    if (j < n) a[j] = _mm512_fmadd_ps(qc, bf ? vload_bf16((const uint16_t *)kr[j] + c) : _mm512_loadu_ps((const float *)kr[j] + c), a[j]);
+        }
+        __m512 x[8], y[4], z[2];
+        for (int i = 0; i < 8; i++) /* lane i + lane i + 8 (vsum's first step) */
+            x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+        for (int i = 0; i < 4; i++) /* + lane i + 4 */
+            y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+        for (int i = 0; i < 2; i++) /* + lane i + 2 */
+            z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44), _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+        __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD)); /* + lane 1 */
+        /* lane 4k + i holds key 4i + k */
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_storeu_ps(s, _mm512_permutexvar_ps(order, w));
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < KT; j++) {
+        if (j >= n) {
+            s[j] = 0.0f;
+            continue;
+        }
+        vf acc = vzero();
+        int64_t c = 0;
+        for (; c + VL <= D; c += VL)
+            acc = vfma(vload(q + c), bf ? vload_bf16((const uint16_t *)kr[j] + c) : vload((const float *)kr[j] + c), acc);
+        float t = vsum(acc);
+        for (; c < D; c++) t = fmaf(q[c], ld(kr[j], c, bf), t);
+        s[j] = t;
+    }
 }
 
 typedef struct {
@@ -142,10 +196,9 @@ typedef struct {
 } attn_args;
 
 /* One unit: query tokens [t0, t1) of one sequence (consecutive positions), all G query heads
- * of KV head g. Rows r = (token, head). For each tile of KT keys, K is transposed once to
- * kt[D][KT] and V widened to vt[KT][D] (float32), then every row:
- *   s[j] = sum_d q[d] * k_j[d]      (d in order, in 4 interleaved partial sums per lane, added
- *                                    as (s0 + s1) + (s2 + s3))
+ * of KV head g. Rows r = (token, head). For each tile of KT keys, V is widened to vt[KT][D]
+ * (float32; K to kt[KT][D] too when the rows are many), then every row:
+ *   s[j] = q . k_j                  (tile_scores: lanes over d, then vsum()'s tree)
  *   masked to keys <= the row's position; m, l, acc updated as FlashAttention's recurrence;
  *   acc[d] += p_j * v_j[d]          (j in order)
  * Nothing here depends on which other rows share the unit. */
@@ -163,6 +216,10 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
             m[r] = -INFINITY, l[r] = 0.0f, rowpos[r] = a->positions[t];
         }
     int64_t last = a->positions[t1 - 1];
+    int transposed = 0; /* many rows on AVX-512: keys transposed once, scores as outer products */
+#if defined(__AVX512F__)
+    transposed = R >= 8 && D % 16 == 0;
+#endif
     for (int64_t j0 = 0; j0 <= last; j0 += KT) {
         int64_t n = last + 1 - j0 < KT ? last + 1 - j0 : KT;
         const char *kr[KT], *vr[KT];
@@ -172,28 +229,22 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
             kr[j] = kh + slot * D * es, vr[j] = vh + slot * D * es;
             if (++off == a->block_size) blk++, off = 0;
         }
-        load_tile(kt, vt, kr, vr, n, D, a->bf);
+        for (int64_t j = 0; j < n; j++) widen_row(vt + j * D, vr[j], D, a->bf); /* values widened once for every row */
+#if defined(__AVX512F__)
+        if (transposed) transpose_keys(kt, kr, n, D, a->bf); /* keys too, transposed, when the rows are many */
+#endif
         for (int64_t r = 0; r < R; r++) {
             int64_t p = rowpos[r], nr = p + 1 - j0 < KT ? p + 1 - j0 : KT; /* this row's keys in the tile */
             if (nr <= 0) continue;
             const float *qr = q + r * D;
             float s[KT];
-            for (int64_t c = 0; c < KT; c += VL) {
-                vf s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();
-                int64_t d = 0;
-                for (; d + 4 <= D; d += 4) {
-                    s0 = vfma(vset1(qr[d]), vload(kt + d * KT + c), s0);
-                    s1 = vfma(vset1(qr[d + 1]), vload(kt + (d + 1) * KT + c), s1);
-                    s2 = vfma(vset1(qr[d + 2]), vload(kt + (d + 2) * KT + c), s2);
-                    s3 = vfma(vset1(qr[d + 3]), vload(kt + (d + 3) * KT + c), s3);
-                }
-                for (; d < D; d++) s0 = vfma(vset1(qr[d]), vload(kt + d * KT + c), s0);
-#if VL == 1
-                s[c] = (s0 + s1) + (s2 + s3);
-#else
-                vstore(s + c, vadd(vadd(s0, s1), vadd(s2, s3)));
+#if defined(__AVX512F__)
+            if (transposed) {
+                tile_scores_transposed(s, qr, kt, D);
+                for (int64_t j = nr; j < KT; j++) s[j] = 0.0f;
+            } else
 #endif
-            }
+                tile_scores(s, qr, kr, nr, D, a->bf);
 #if defined(__AVX512F__) && KT == 16
             /* the same steps in registers: lanes past nr masked out */
             __mmask16 mk = (__mmask16)((1u << nr) - 1);
