@@ -184,6 +184,43 @@ static inline void tile_scores(float *s, const float *q, const char *const *kr, 
     }
 }
 
+#if defined(__AVX512F__)
+/* The 16-key network's first three levels on 8 keys (one half of a tile): z holds their
+ * partial lane sums as tile_scores' z[half]. */
+static inline __attribute__((always_inline)) void net8(__m512 *a, __m512 *z) {
+    __m512 x[4], y[2];
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    *z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
+}
+/* tile_scores for three rows at once (three query heads of one token) over a full tile of
+ * 16 keys, D % 16 == 0: each key chunk is widened once for the three. Per row and key the
+ * same FMAs in the same order and the same lane tree as tile_scores, so the same bits. */
+static void tile_scores3_full(float s[3][KT], const float *q0, const float *q1, const float *q2, const char *const *kr, int64_t D, int bf) {
+    __m512 z[2][3];
+    for (int half = 0; half < 2; half++) {
+        __m512 a0[8], a1[8], a2[8];
+        for (int j = 0; j < 8; j++) a0[j] = a1[j] = a2[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            __m512 x0 = _mm512_loadu_ps(q0 + c), x1 = _mm512_loadu_ps(q1 + c), x2 = _mm512_loadu_ps(q2 + c);
+            for (int j = 0; j < 8; j++) {
+                const char *p = kr[half * 8 + j];
+                __m512 k = bf ? vload_bf16((const uint16_t *)p + c) : _mm512_loadu_ps((const float *)p + c);
+                a0[j] = _mm512_fmadd_ps(x0, k, a0[j]);
+                a1[j] = _mm512_fmadd_ps(x1, k, a1[j]);
+                a2[j] = _mm512_fmadd_ps(x2, k, a2[j]);
+            }
+        }
+        net8(a0, &z[half][0]); net8(a1, &z[half][1]); net8(a2, &z[half][2]);
+    }
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int r = 0; r < 3; r++)
+        _mm512_storeu_ps(s[r], _mm512_permutexvar_ps(order, _mm512_add_ps(_mm512_shuffle_ps(z[0][r], z[1][r], 0x88), _mm512_shuffle_ps(z[0][r], z[1][r], 0xDD))));
+}
+#endif
+
 typedef struct {
     const void *q, *k, *v;
     void *out;
@@ -233,13 +270,19 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
 #if defined(__AVX512F__)
         if (transposed) transpose_keys(kt, kr, n, D, a->bf); /* keys too, transposed, when the rows are many */
 #endif
+        float s3[3][KT];
+        const int grouped = !transposed && VL == 16 && D % 16 == 0 && n == KT && G % 3 == 0;
         for (int64_t r = 0; r < R; r++) {
             int64_t p = rowpos[r], nr = p + 1 - j0 < KT ? p + 1 - j0 : KT; /* this row's keys in the tile */
-            if (nr <= 0) continue;
             const float *qr = q + r * D;
-            float s[KT];
 #if defined(__AVX512F__)
-            if (transposed) {
+            if (grouped && r % 3 == 0) tile_scores3_full(s3, qr, qr + D, qr + 2 * D, kr, D, a->bf);
+#endif
+            if (nr <= 0) continue;
+            float *s = s3[r % 3];
+#if defined(__AVX512F__)
+            if (grouped) { /* s3[r % 3] was filled with its group */
+            } else if (transposed) {
                 tile_scores_transposed(s, qr, kt, D);
                 for (int64_t j = nr; j < KT; j++) s[j] = 0.0f;
             } else
