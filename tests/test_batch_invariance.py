@@ -151,7 +151,7 @@ def test_disaggregated_equals_colocated(dtype):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_torch_backend_is_batch_invariant_too(family):
-    """The portable fallback keeps the rule (one row per matmul and per attention call)."""
+    """The portable fallback keeps the rule (fixed-shape matmuls, one attention call per row)."""
     want = outputs(run(engine_for(torch.float32, "torch", family=family), [NEEDLE], 0))
     engine = engine_for(torch.float32, "torch", family=family, max_num_seqs=64)
     assert in_batch(engine, 8, 5) == want

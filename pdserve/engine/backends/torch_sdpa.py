@@ -1,10 +1,13 @@
 """The ``torch`` backend: plain torch ops, the portable reference (no compiler needed).
 
-On a CPU it keeps the numerics rule, batch invariance, the simple way: torch's matmul and
-SDPA sum a row differently with other rows beside it (measured: float32 ``F.linear`` and
-multi-query SDPA), so every linear row and every query row is its own call. That is correct
-and slow (a fallback: ``backends.select`` logs when it is taken). On a GPU, the ``cuda``
-backend batches the same ops.
+On a CPU it keeps the numerics rule, batch invariance, the simple way. torch's matmul sums a
+row differently with a different number of rows beside it (measured: float32 ``F.linear``),
+so linear layers run on chunks of exactly ``LINEAR_ROWS`` rows, the last one padded with
+zeros: one matmul shape, whose rows come out the same whatever the other rows hold (measured
+here, float32 and bf16, 1 and 2 threads; the batch-invariance tests check it on every run).
+Multi-query SDPA also rounds a row by its neighbours, so every query row is its own call.
+Correct and slow (a fallback: ``backends.select`` logs when it is taken). On a GPU, the
+``cuda`` backend batches the same ops.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.backends.base import Backend, StepMetadata
+
+LINEAR_ROWS = 16  # rows of every matmul the torch backend runs on a CPU
 
 
 def rms_norm(residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,9 +59,11 @@ class TorchBackend(Backend):
         return weight.detach().contiguous()
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] == 1:
-            return F.linear(x, packed, bias)
-        return torch.cat([F.linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])  # one row per call: invariant
+        rows = x.shape[0]
+        padded = torch.zeros(-(-rows // LINEAR_ROWS) * LINEAR_ROWS, x.shape[1], dtype=x.dtype, device=x.device)
+        padded[:rows] = x
+        out = torch.cat([F.linear(chunk, packed, bias) for chunk in padded.split(LINEAR_ROWS)])  # one matmul shape
+        return out[:rows]
 
     def add_rmsnorm(self, x, residual, weight, eps):
         residual = x.clone() if residual is None else residual + x
