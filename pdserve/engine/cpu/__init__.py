@@ -38,7 +38,6 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
         "linear_pack_f32": (None, [_ptr, _i64, _i64, _i64, _ptr]),
         "linear_pack_bf16": (None, [_ptr, _i64, _i64, _i64, _ptr]),
         "linear_packed_numel": (_i64, [_i64, _i64, ctypes.c_int]),
-        "linear_panel_cols": (_i64, []),
         "fma_peak_probe": (_f, [_i64, ctypes.c_int]),
         "fma_flops_per_instruction": (_i64, [ctypes.c_int]),
         "linear_isa": (ctypes.c_char_p, []),

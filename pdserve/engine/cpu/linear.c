@@ -41,7 +41,6 @@ typedef struct {
     int64_t M, K, N, ldx, ldy;
 } linear_args;
 
-int64_t linear_panel_cols(void) { return NP; }
 
 /* Elements of the packed weight for [N, K] (dtype bf16 != 0 or float32). */
 int64_t linear_packed_numel(int64_t N, int64_t K, int bf) {

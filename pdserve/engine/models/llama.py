@@ -89,5 +89,5 @@ class LlamaForCausalLM:
         for layer in self.layers:
             h, residual = layer(h, residual, meta)
         last = meta.last_token_index
-        x, _ = self.norm(h[last], residual[last].clone())  # [S, H]: only the rows that sample
+        x, _ = self.norm(h[last], residual[last])  # [S, H] (indexing copies): only the rows that sample
         return self.lm_head(x).float()  # [S, vocab]
