@@ -184,7 +184,7 @@ def main() -> None:
     num_blocks = max(max(batches) * blocks_per_seq, -(-max(lengths) // 16)) + 8
     config = EngineConfig(num_blocks=num_blocks, max_num_seqs=max(batches), enable_prefix_caching=False, backend=args.backend)
     engine = Engine(model, config, frozenset(), 8192)
-    isa = ops.isa() if engine.backend.name == "cpu" else None
+    isa = ops.isa(getattr(torch, args.dtype)) if engine.backend.name == "cpu" else None
     print(f"backend {engine.backend.name}{f' ({isa})' if isa else ''}, {args.dtype}, {args.threads} thread(s)", flush=True)
     bytes_per_token = engine.kv_spec.bytes_per_token
     weights = weight_bytes(model)

@@ -53,8 +53,8 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: st
 
 def fma_instruction_peak(dtype: str = "bfloat16", repeats: int = 5) -> float | None:
     """FLOP/s of one thread issuing only the linear kernel's FMA instruction (24 independent
-    chains, pdserve/engine/cpu/linear.c ``fma_peak_probe``): VDPBF16PS for bf16 on
-    AVX512-BF16, else the float32 vector FMA. The most one core can do in the step's matmuls;
+    chains, pdserve/engine/cpu/linear.c ``fma_peak_probe``): TDPBF16PS tile products for bf16
+    where the kernels run on AMX, VDPBF16PS for bf16 on AVX512-BF16, else the float32 vector FMA. The most one core can do in the step's matmuls;
     None without a C compiler."""
     from pdserve.engine import cpu
 

@@ -5,6 +5,9 @@
 - ``attention.c``: paged causal attention over the KV pool, prompt chunks and decode alike.
 - ``kv_blocks.c``: block copies and checksums for the shm KV transfer backend.
 - ``simd.h``, ``parallel.h``: the vector abstraction (AVX-512, AVX2, portable) and thread split.
+- ``amx.h``, ``linear_amx.h``, ``attention_amx.h``: bf16 linear layers and attention on AMX
+  tiles (Intel Sapphire Rapids and later), where the compiler targets AMX and Linux grants
+  the tile state; ``PDSERVE_NO_AMX=1`` keeps the AVX512-BF16 paths.
 
 Each is built with the system C compiler (``cc -O3 -march=native -ffp-contract=off``) into
 ``~/.cache/pdserve/kernels/`` (``$PDSERVE_CACHE/kernels`` where set, as the model cache),
@@ -40,7 +43,7 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
         "linear_packed_numel": (_i64, [_i64, _i64, ctypes.c_int]),
         "fma_peak_probe": (_f, [_i64, ctypes.c_int]),
         "fma_flops_per_instruction": (_i64, [ctypes.c_int]),
-        "linear_isa": (ctypes.c_char_p, []),
+        "linear_isa": (ctypes.c_char_p, [ctypes.c_int]),
     },
     "pointwise": {
         "add_rmsnorm": (None, [_ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _f, ctypes.c_int]),

@@ -27,45 +27,10 @@
 #define MAX_D 256
 #define QB 32 /* query tokens per unit: a tile is widened once for all their rows */
 
-/* exp(x) elementwise for 16 floats, Cephes' expf polynomial (deterministic, ~1 ulp). */
-#if defined(__AVX512F__)
-static inline __m512 exp512(__m512 v) {
-    v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_sub_ps(v, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f)));
-    v = _mm512_sub_ps(v, _mm512_mul_ps(fx, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-#endif
-
+/* exp(x) for 16 floats in place (simd.h's vexp; expf where there are no vectors). */
 static void exp16(float *x) {
-#if defined(__AVX512F__)
-    _mm512_storeu_ps(x, exp512(_mm512_loadu_ps(x)));
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (int h = 0; h < 16; h += 8) {
-        __m256 v = _mm256_loadu_ps(x + h);
-        v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
-        __m256 fx = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm256_sub_ps(v, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
-        v = _mm256_sub_ps(v, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
-        __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507E-3f));
-        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073E-3f));
-        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894E-2f));
-        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459E-1f));
-        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201E-1f));
-        y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.0f)));
-        __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-        _mm256_storeu_ps(x + h, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-    }
+#if VL > 1
+    for (int h = 0; h < 16; h += VL) vstore(x + h, vexp(vload(x + h)));
 #else
     for (int i = 0; i < 16; i++) x[i] = expf(x[i]);
 #endif
@@ -309,7 +274,7 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
             }
             m[r] = mn;
 #if defined(__AVX512F__) && KT == 16
-            __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_maskz_sub_ps(mk, sv, _mm512_set1_ps(mn))));
+            __m512 e = _mm512_maskz_mov_ps(mk, vexp(_mm512_maskz_sub_ps(mk, sv, _mm512_set1_ps(mn))));
             l[r] += _mm512_reduce_add_ps(e);
             _mm512_storeu_ps(s, e);
 #else
@@ -346,8 +311,31 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
 }
 
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__)
+#include "attention_amx.h" /* bf16 on AMX tiles where the kernel grants them (amx_on) */
+
+static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
+    if (!a->bf || !amx_on || a->D % 32) return 0;
+    char *mem = malloc(amx_attn_work_bytes(QB * (a->heads / a->kv_heads), a->D));
+    if (!mem) return 0;
+    amx_attn_work w = amx_attn_carve(mem, QB * (a->heads / a->kv_heads), a->D);
+    const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    amx_configure(rows);
+    for (int64_t unit = begin; unit < end; unit++) {
+        int64_t b = unit / a->kv_heads, g = unit % a->kv_heads;
+        attend_unit_amx(a, a->blocks[b], a->blocks[b + 1], g, &w);
+    }
+    _tile_release();
+    free(mem);
+    return 1;
+}
+#else
+static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) { (void)a, (void)begin, (void)end; return 0; }
+#endif
+
 static void attend_range(const void *args, int64_t begin, int64_t end) {
     const attn_args *a = (const attn_args *)args;
+    if (attend_range_amx(a, begin, end)) return;
     const int64_t G = a->heads / a->kv_heads, D = a->D, R = QB * G;
     float *work = malloc(sizeof(float) * (size_t)(2 * R * D + 2 * D * KT + 2 * R));
     for (int64_t unit = begin; unit < end; unit++) { /* unit = query block * kv_heads + kv head */

@@ -21,6 +21,12 @@
 #include "parallel.h"
 #include "simd.h"
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__)
+#include "linear_amx.h" /* bf16 on AMX tiles where the kernel grants them (amx_on) */
+#else
+static const int amx_on = 0;
+#endif
+
 #ifndef NC
 #if VL == 16
 #define NC 4 /* vectors per panel row: MR * NC accumulators + NC weights + 1 broadcast registers */
@@ -44,6 +50,9 @@ typedef struct {
 
 /* Elements of the packed weight for [N, K] (dtype bf16 != 0 or float32). */
 int64_t linear_packed_numel(int64_t N, int64_t K, int bf) {
+#ifdef PDSERVE_LINEAR_AMX_H
+    if (bf && amx_on) return amx_packed_numel(N, K);
+#endif
     int64_t np = (N + NP - 1) / NP;
     return np * NP * (bf ? 2 * ((K + 1) / 2) : K);
 }
@@ -58,6 +67,12 @@ void linear_pack_f32(const float *w, int64_t N, int64_t K, int64_t ldw, float *o
 }
 
 void linear_pack_bf16(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, uint16_t *out) {
+#ifdef PDSERVE_LINEAR_AMX_H
+    if (amx_on) {
+        amx_pack(w, N, K, ldw, out);
+        return;
+    }
+#endif
     int64_t K2 = (K + 1) / 2;
     for (int64_t p = 0; p * NP < N; p++)
         for (int64_t j = 0; j < NP; j++) {
@@ -166,20 +181,31 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *
 
 void linear_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N, const uint16_t *bias,
                  uint16_t *y, int64_t ldy, int64_t nthreads) {
+#ifdef PDSERVE_LINEAR_AMX_H
+    if (amx_on) {
+        amx_linear(x, M, K, ldx, wp, N, bias, y, ldy, nthreads);
+        return;
+    }
+#endif
     linear_args a = {x, wp, bias, y, M, K, N, ldx, ldy};
     parallel_ranges(range_bf16, &a, (N + NP - 1) / NP, 1, M * N * K < (1 << 18) ? 1 : nthreads);
 }
 
-const char *linear_isa(void) { return simd_isa(); }
+/* The path the kernels take for a dtype (bf != 0: bf16): "amx_bf16" for bf16 where AMX is
+ * on (linear_amx.h, attention_amx.h), else the vector ISA (simd_isa). */
+const char *linear_isa(int bf) { return bf && amx_on ? "amx_bf16" : simd_isa(); }
 
 /* The most FMA work one thread can issue: 24 independent chains of the micro-kernel's
  * instruction (vdpbf16ps for bf != 0 on AVX512-BF16, else the float32 vector FMA; bf16
- * without the instruction runs float32 FMAs too). Returns a value so the work is kept;
- * FLOPs = iters * 24 * (VL * 2, doubled again for vdpbf16ps's pairs). */
+ * without the instruction runs float32 FMAs too; bf16 on AMX: 24 TDPBF16PS). Returns a value
+ * so the work is kept; FLOPs = iters * 24 * fma_flops_per_instruction(bf). */
 float fma_peak_probe(int64_t iters, int bf) {
     vf acc[24];
     for (int i = 0; i < 24; i++) acc[i] = vset1((float)i * 1e-3f);
     vf a = vset1(1.0000001f), b = vset1(0.9999999f);
+#ifdef PDSERVE_LINEAR_AMX_H
+    if (bf && amx_on) return amx_peak_probe(iters);
+#endif
 #if defined(__AVX512BF16__)
     if (bf) {
         __m512 c[24];
@@ -201,6 +227,7 @@ float fma_peak_probe(int64_t iters, int bf) {
 }
 
 int64_t fma_flops_per_instruction(int bf) {
+    if (bf && amx_on) return 16 * 16 * 32 * 2; /* one TDPBF16PS */
 #if defined(__AVX512BF16__)
     if (bf) return VL * 4;
 #endif

@@ -32,11 +32,12 @@ def _bf(t: torch.Tensor) -> int:
     raise ValueError(f"pdserve's CPU kernels take float32 or bfloat16, not {t.dtype}")
 
 
-def isa() -> str | None:
-    """The vector ISA the kernels were built for ("avx512_bf16", "avx512f", "avx2",
-    "portable"), or None where they did not build."""
+def isa(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """The path the kernels take for ``dtype``: "amx_bf16" (bf16 on AMX tiles), or the vector
+    ISA they were built for ("avx512_bf16", "avx512f", "avx2", "portable"); None where they
+    did not build."""
     lib = _lib("linear")
-    return lib.linear_isa().decode() if lib is not None else None
+    return lib.linear_isa(int(dtype == torch.bfloat16)).decode() if lib is not None else None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -146,15 +147,16 @@ def _check_one(name: str, dtype: torch.dtype) -> None:
         rope_(q, pos, cos, sin)
         torch.testing.assert_close(q.float(), ref, **tol)
     elif name == "attention":
-        heads, kv_heads, D, bs, n = 4, 2, 16, 4, 11
-        k, v, q = rnd(kv_heads, 4 * bs, D), rnd(kv_heads, 4 * bs, D), rnd(n, heads, D)
-        table = torch.tensor([[3, 1, 0, 2]], dtype=torch.int32)
-        slots = (table[0].long()[:, None] * bs + torch.arange(bs)).view(-1)[:n]
-        out = paged_attention(q, k, v, table, torch.zeros(n, dtype=torch.int32), torch.arange(n), bs, D ** -0.5)
-        kk = k[:, slots].float().repeat_interleave(2, 0)
-        vv = v[:, slots].float().repeat_interleave(2, 0)
-        ref = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), kk, vv, is_causal=True)
-        torch.testing.assert_close(out.float().view(n, heads, D), ref.transpose(0, 1), **tol)
+        heads, kv_heads, bs, n = 4, 2, 4, 11
+        for D in (16, 32):  # 32: the AMX path where it runs (D % 32 == 0)
+            k, v, q = rnd(kv_heads, 4 * bs, D), rnd(kv_heads, 4 * bs, D), rnd(n, heads, D)
+            table = torch.tensor([[3, 1, 0, 2]], dtype=torch.int32)
+            slots = (table[0].long()[:, None] * bs + torch.arange(bs)).view(-1)[:n]
+            out = paged_attention(q, k, v, table, torch.zeros(n, dtype=torch.int32), torch.arange(n), bs, D ** -0.5)
+            kk = k[:, slots].float().repeat_interleave(2, 0)
+            vv = v[:, slots].float().repeat_interleave(2, 0)
+            ref = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), kk, vv, is_causal=True)
+            torch.testing.assert_close(out.float().view(n, heads, D), ref.transpose(0, 1), **tol)
 
 
 def available(name: str) -> bool:

@@ -7,6 +7,15 @@
 #include "parallel.h"
 #include "simd.h"
 
+/* VL elements i.. of a row of either dtype, widened; and stored back (bf16: rounded as st()). */
+static inline vf ldv(const void *p, int64_t i, int bf) {
+    return bf ? vload_bf16((const uint16_t *)p + i) : vload((const float *)p + i);
+}
+static inline void stv(void *p, int64_t i, vf v, int bf) {
+    if (bf) vstore_bf16((uint16_t *)p + i, v);
+    else vstore((float *)p + i, v);
+}
+
 /* Row sum of squares, in simd.h's order. */
 static float sum_squares(const void *row, int64_t n, int bf) {
     vf acc = vzero();
@@ -33,9 +42,16 @@ void add_rmsnorm(const void *x, int64_t ldx, void *residual, int64_t ldr, int ad
     for (int64_t m = 0; m < M; m++) {
         const char *xr = (const char *)x + m * ldx * es;
         char *rr = (char *)residual + m * ldr * es, *orow = (char *)out + m * ldo * es;
-        for (int64_t i = 0; i < H; i++) st(rr, i, add ? ld(rr, i, bf) + ld(xr, i, bf) : ld(xr, i, bf), bf);
+        int64_t i = 0; /* vectors, then the tail: the same operations per element */
+        for (; i + VL <= H; i += VL) stv(rr, i, add ? vadd(ldv(rr, i, bf), ldv(xr, i, bf)) : ldv(xr, i, bf), bf);
+        for (; i < H; i++) st(rr, i, add ? ld(rr, i, bf) + ld(xr, i, bf) : ld(xr, i, bf), bf);
         float inv = 1.0f / sqrtf(sum_squares(rr, H, bf) / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) {
+        for (i = 0; i + VL <= H; i += VL) {
+            vf h = vmul(ldv(rr, i, bf), vset1(inv));
+            if (bf) h = vround_bf16(h);
+            stv(orow, i, vmul(ldv(weight, i, bf), h), bf);
+        }
+        for (; i < H; i++) {
             float h = ld(rr, i, bf) * inv;
             if (bf) h = bf16_to_f32(bf16_round(h));
             st(orow, i, ld(weight, i, bf) * h, bf);
@@ -56,7 +72,15 @@ void rope_inplace(void *x, int64_t T, int64_t heads, int64_t D, int64_t ldt, int
         const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
         for (int64_t h = 0; h < heads; h++) {
             char *row = (char *)x + (t * ldt + h * ldh) * es;
-            for (int64_t i = 0; i < half; i++) {
+            int64_t i = 0;
+            for (; i + VL <= half; i += VL) { /* the same operations as the scalar tail below */
+                vf a = ldv(row, i, bf), b = ldv(row, i + half, bf);
+                vf p1 = vmul(a, vload(c + i)), p2 = vmul(vmul(b, vset1(-1.0f)), vload(s + i));
+                vf p3 = vmul(b, vload(c + i + half)), p4 = vmul(a, vload(s + i + half));
+                stv(row, i, vadd(p1, p2), bf);
+                stv(row, i + half, vadd(p3, p4), bf);
+            }
+            for (; i < half; i++) {
                 float a = ld(row, i, bf), b = ld(row, i + half, bf);
                 float p1 = a * c[i], p2 = (-b) * s[i], p3 = b * c[i + half], p4 = a * s[i + half];
                 st(row, i, p1 + p2, bf);
@@ -66,19 +90,29 @@ void rope_inplace(void *x, int64_t T, int64_t heads, int64_t D, int64_t ldt, int
     }
 }
 
+/* VL outputs: silu(g) * u with silu(g) = g / (1 + exp(-g)) (simd.h's vexp); bf16 rounds
+ * silu(g) then the product, as HF. */
+static inline vf silu_mul_v(vf g, vf u, int bf) {
+    vf act = vdiv(g, vadd(vset1(1.0f), vexp(vmul(g, vset1(-1.0f)))));
+    if (bf) act = vround_bf16(act);
+    return vmul(act, u);
+}
+
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: gate and up side by side (the fused gate-up
- * linear's output). silu(g) = g / (1 + exp(-g)); bf16 rounds silu(g) then the product, as HF.
- * gu: [M, 2I] row stride ldg; out: [M, I] row stride ldo. */
+ * linear's output). A row's tail short of VL goes through a zero-padded vector, so every
+ * element takes the same operations. gu: [M, 2I] row stride ldg; out: [M, I] row stride ldo. */
 void silu_mul(const void *gu, int64_t ldg, void *out, int64_t ldo, int64_t M, int64_t I, int bf) {
     int64_t es = bf ? 2 : 4;
     for (int64_t m = 0; m < M; m++) {
         const char *g = (const char *)gu + m * ldg * es;
         char *o = (char *)out + m * ldo * es;
-        for (int64_t i = 0; i < I; i++) {
-            float a = ld(g, i, bf);
-            float act = a / (1.0f + expf(-a));
-            if (bf) act = bf16_to_f32(bf16_round(act));
-            st(o, i, act * ld(g, I + i, bf), bf);
+        int64_t i = 0;
+        for (; i + VL <= I; i += VL) stv(o, i, silu_mul_v(ldv(g, i, bf), ldv(g, I + i, bf), bf), bf);
+        if (i < I) {
+            float a[VL] = {0}, b[VL] = {0}, r[VL];
+            for (int64_t j = 0; j < I - i; j++) a[j] = ld(g, i + j, bf), b[j] = ld(g, I + i + j, bf);
+            vstore(r, silu_mul_v(vload(a), vload(b), bf));
+            for (int64_t j = 0; j < I - i; j++) st(o, i + j, r[j], bf);
         }
     }
 }

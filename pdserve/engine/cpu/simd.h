@@ -51,6 +51,34 @@ static inline float vsum(vf a) {
 static inline vf vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+/* exp(x), Cephes' expf polynomial (deterministic, ~1 ulp; input clamped to [-87.3, 88.4]). */
+static inline vf vexp(vf v) {
+    v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_sub_ps(v, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f)));
+    v = _mm512_sub_ps(v, _mm512_mul_ps(fx, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+/* Each lane rounded to bf16 as bf16_round() does, kept as a float. */
+static inline vf vround_bf16(vf a) {
+    __m512i u = _mm512_castps_si512(a);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)), nan, _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+static inline void vstore_bf16(uint16_t *p, vf a) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vround_bf16(a)), 16)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VL 8
 typedef __m256 vf;
@@ -70,6 +98,33 @@ static inline float vsum(vf a) {
 static inline vf vload_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vexp(vf v) { /* as the AVX-512 vexp */
+    v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_sub_ps(v, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    v = _mm256_sub_ps(v, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+static inline vf vround_bf16(vf a) {
+    __m256i u = _mm256_castps_si256(a);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)), _mm256_set1_epi32(0x7fc00000), nan);
+    return _mm256_castsi256_ps(r);
+}
+static inline void vstore_bf16(uint16_t *p, vf a) {
+    __m256i w = _mm256_srli_epi32(_mm256_castps_si256(vround_bf16(a)), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
 #else
 #define VL 1
 typedef float vf;
@@ -82,6 +137,10 @@ static inline vf vmul(vf a, vf b) { return a * b; }
 static inline vf vadd(vf a, vf b) { return a + b; }
 static inline float vsum(vf a) { return a; }
 static inline vf vload_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
+static inline vf vdiv(vf a, vf b) { return a / b; }
+static inline vf vexp(vf a) { return expf(a); }
+static inline vf vround_bf16(vf a) { return bf16_to_f32(bf16_round(a)); }
+static inline void vstore_bf16(uint16_t *p, vf a) { *p = bf16_round(a); }
 #endif
 
 /* A float row of either dtype: bf != 0 means uint16_t bf16 elements. */

@@ -1,0 +1,202 @@
+/* bf16 paged attention on AMX tiles (amx.h), included by attention.c where amx_on and
+ * D % 32 == 0. The same unit of work as attention.c's attend_unit: query tokens [t0, t1) of
+ * one sequence, all G query heads of KV head g, rows r = (token, head), taken 16 at a time
+ * (one "chunk": a vector lane per row).
+ *
+ * Keys go in tiles of AT = 32 aligned at position 0. For each tile and chunk:
+ *   S^T[j][n] = k_j . q_n             TDPBF16PS, keys as A rows read in place from the pool,
+ *                                     the chunk's queries as B (pairs transposed once per unit)
+ *   s = S^T * scale, masked to keys <= the row's position (lane n's own)
+ *   mt = max_j s_j; mn = max(m, mt); alpha = exp(m - mn) where m moves (else 1); m = mn
+ *   e_j = exp(s_j - mn); l = l * alpha + tree_j e_j   (the tree: j + 16, + 8, + 4, + 2, + 1)
+ *   P = bf16(e) (VCVTNE2PS2BF16); O = O * alpha + P V  (TDPBF16PS, V pairs interleaved once
+ *                                                       per tile for every chunk)
+ * FlashAttention's recurrence (Dao et al. 2022, sec. 3.1) with bf16 probabilities, as its
+ * GPU kernels take them. Every quantity above is per lane, so per row: a row's bits depend on
+ * its own query, position and context only, the same in a prompt chunk, a decode step or
+ * any batch. A row whose position is before the tile skips it entirely.
+ */
+#ifndef PDSERVE_ATTENTION_AMX_H
+#define PDSERVE_ATTENTION_AMX_H
+
+#include "amx.h"
+
+#define AT 32 /* keys per tile */
+
+/* Work for one thread: sized for QB tokens x G heads, head dim D. */
+typedef struct {
+    uint16_t *qt;  /* [chunks][D / 32][16 pairs][16 lanes][2]: each chunk's queries as B tiles */
+    float *o;      /* [chunks * 16][D] the rows' accumulators */
+    uint16_t *vt;  /* [D / 16][16 pairs][16 d][2]: the tile's values as B tiles */
+    uint16_t *kp;  /* [2][16][D]: a half tile of keys copied where it is not whole in one block */
+    float *st;     /* [AT][16]: S^T of one chunk */
+    uint16_t *p;   /* [16][AT]: the chunk's probabilities as an A tile */
+    float *pv;     /* [16][D] */
+} amx_attn_work;
+
+static size_t amx_attn_work_bytes(int64_t rows, int64_t D) {
+    int64_t chunks = (rows + 15) / 16;
+    return (size_t)(chunks * D * 16 * 2 + chunks * 16 * D * 4 + D * 32 * 2 + 2 * 16 * D * 2 + AT * 16 * 4 + 16 * AT * 2 + 16 * D * 4) + 8 * 64;
+}
+
+static amx_attn_work amx_attn_carve(char *mem, int64_t rows, int64_t D) {
+    int64_t chunks = (rows + 15) / 16;
+    amx_attn_work w;
+    char *p = (char *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+#define CARVE(field, T, n) w.field = (T *)p, p += (((size_t)(n) * sizeof(T)) + 63) / 64 * 64
+    CARVE(qt, uint16_t, chunks * D * 16);
+    CARVE(o, float, chunks * 16 * D);
+    CARVE(vt, uint16_t, D * 32);
+    CARVE(kp, uint16_t, 2 * 16 * D);
+    CARVE(st, float, AT * 16);
+    CARVE(p, uint16_t, 16 * AT);
+    CARVE(pv, float, 16 * D);
+#undef CARVE
+    return w;
+}
+
+/* l's share of a tile: sum over j < 32 of e[j] in a fixed tree (j + 16, then + 8, + 4, + 2, + 1). */
+static inline __m512 tile_sum32(__m512 e[AT]) {
+    for (int w = AT / 2; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) e[j] = _mm512_add_ps(e[j], e[j + w]);
+    return e[0];
+}
+
+static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t g, amx_attn_work *w) {
+    const int64_t G = a->heads / a->kv_heads, D = a->D, R = (t1 - t0) * G, chunks = (R + 15) / 16, DK = D / 32;
+    const int32_t *table = a->tables + (int64_t)a->token_seq[t0] * a->max_blocks;
+    const uint16_t *kh = (const uint16_t *)a->k + g * a->kv_head_stride, *vh = (const uint16_t *)a->v + g * a->kv_head_stride;
+    __m512i pos[MAX_GROUP * QB / 16]; /* each lane's position; -1 for lanes past R */
+    __m512 m[MAX_GROUP * QB / 16], l[MAX_GROUP * QB / 16];
+    int64_t chunk_last[MAX_GROUP * QB / 16]; /* the largest position in the chunk */
+    /* queries as B tiles: dword (i, n) of d-chunk dk is row n's dword 16 dk + i (a pair of d) */
+    memset(w->qt, 0, (size_t)(chunks * D * 16 * 2));
+    for (int64_t c = 0; c < chunks; c++) {
+        int32_t lane_pos[16];
+        chunk_last[c] = -1;
+        for (int n = 0; n < 16; n++) {
+            int64_t r = 16 * c + n;
+            lane_pos[n] = -1;
+            if (r >= R) continue;
+            int64_t t = t0 + r / G, h = r % G;
+            const uint32_t *qr = (const uint32_t *)((const uint16_t *)a->q + t * a->ldq + (g * G + h) * D);
+            uint32_t *qt = (uint32_t *)w->qt + c * DK * 256;
+            for (int64_t i = 0; i < D / 2; i++) qt[(i / 16) * 256 + (i % 16) * 16 + n] = qr[i];
+            lane_pos[n] = (int32_t)a->positions[t];
+            chunk_last[c] = a->positions[t];
+        }
+        pos[c] = _mm512_loadu_si512(lane_pos);
+        m[c] = _mm512_set1_ps(-INFINITY), l[c] = _mm512_setzero_ps();
+    }
+    memset(w->o, 0, (size_t)(chunks * 16 * D * 4));
+    /* d-chunk c of a value row pair: words 2dd, 2dd + 1 = v_2i[16c + dd], v_2i+1[16c + dd] */
+    __m512i pair_idx[2];
+    for (int h = 0; h < 2; h++) {
+        uint16_t idx[32];
+        for (int dd = 0; dd < 16; dd++) idx[2 * dd] = (uint16_t)(16 * h + dd), idx[2 * dd + 1] = (uint16_t)(32 + 16 * h + dd);
+        pair_idx[h] = _mm512_loadu_si512(idx);
+    }
+    const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006, 0x00170007,
+                                                 0x00180008, 0x00190009, 0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
+    const int64_t last = a->positions[t1 - 1];
+    for (int64_t j0 = 0; j0 <= last; j0 += AT) {
+        int64_t n = last + 1 - j0 < AT ? last + 1 - j0 : AT;
+        const uint16_t *kr[AT], *vr[AT];
+        int64_t blk = j0 / a->block_size, off = j0 % a->block_size;
+        for (int64_t j = 0; j < n; j++) {
+            int64_t slot = (int64_t)table[blk] * a->block_size + off;
+            kr[j] = kh + slot * D, vr[j] = vh + slot * D;
+            if (++off == a->block_size) blk++, off = 0;
+        }
+        /* keys as A tiles: 16 rows in place where they are whole and one block apart, else copied */
+        const uint16_t *ka[2];
+        for (int hf = 0; hf < 2; hf++) {
+            int64_t j = 16 * hf, nh = n - j;
+            if (nh >= 16 && kr[j + 15] == kr[j] + 15 * D) {
+                ka[hf] = kr[j];
+                continue;
+            }
+            uint16_t *dst = w->kp + hf * 16 * D;
+            for (int64_t r = 0; r < 16; r++)
+                if (r < nh) memcpy(dst + r * D, kr[j + r], (size_t)D * 2);
+                else memset(dst + r * D, 0, (size_t)D * 2);
+            ka[hf] = dst;
+        }
+        /* values as B tiles: row i of d-chunk c interleaves keys 2i and 2i + 1 (zeros past n) */
+        for (int64_t i = 0; i < AT / 2; i++) {
+            const uint16_t *v0 = 2 * i < n ? vr[2 * i] : 0, *v1 = 2 * i + 1 < n ? vr[2 * i + 1] : 0;
+            for (int64_t z = 0; z < D / 32; z++) {
+                __m512i x0 = v0 ? _mm512_loadu_si512(v0 + 32 * z) : _mm512_setzero_si512();
+                __m512i x1 = v1 ? _mm512_loadu_si512(v1 + 32 * z) : _mm512_setzero_si512();
+                for (int h = 0; h < 2; h++) _mm512_storeu_si512(w->vt + ((2 * z + h) * 16 + i) * 32, _mm512_permutex2var_epi16(x0, pair_idx[h], x1));
+            }
+        }
+        for (int64_t c = 0; c < chunks; c++) {
+            if (chunk_last[c] < j0) continue; /* every row of the chunk is before this tile */
+            /* S^T: tiles 0, 1 = keys 0-15, 16-31 of the tile x the chunk's 16 lanes */
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t dk = 0; dk < DK; dk++) {
+                _tile_loadd(2, w->qt + (c * DK + dk) * 512, 64);
+                _tile_loadd(3, ka[0] + 32 * dk, D * 2);
+                _tile_dpbf16ps(0, 3, 2);
+                _tile_loadd(4, ka[1] + 32 * dk, D * 2);
+                _tile_dpbf16ps(1, 4, 2);
+            }
+            _tile_stored(0, w->st, 64);
+            _tile_stored(1, w->st + 16 * 16, 64);
+            /* the softmax step, a lane per row */
+            __m512 s[AT], mt = _mm512_set1_ps(-INFINITY);
+            __mmask16 valid[AT];
+            const __m512 scale = _mm512_set1_ps(a->scale);
+            for (int j = 0; j < AT; j++) {
+                valid[j] = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int32_t)(j0 + j)), pos[c]);
+                s[j] = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_loadu_ps(w->st + 16 * j), scale));
+                mt = _mm512_max_ps(mt, s[j]);
+            }
+            __m512 mn = _mm512_max_ps(m[c], mt);
+            __mmask16 moves = _mm512_cmp_ps_mask(m[c], mn, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(m[c], _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+            __m512 alpha = _mm512_mask_blend_ps(moves, _mm512_set1_ps(1.0f), vexp(_mm512_maskz_sub_ps(moves, m[c], mn)));
+            __mmask16 live = _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); /* lanes with keys so far */
+            m[c] = _mm512_mask_mov_ps(m[c], live, mn);
+            for (int j = 0; j < AT; j++) s[j] = _mm512_maskz_mov_ps(valid[j], vexp(_mm512_maskz_sub_ps(valid[j], s[j], mn)));
+            /* P as an A tile: row n = lane n's 32 probabilities; built as B-style pairs, then a
+             * 16 x 16 dword transpose */
+            __m512 pr[16];
+            for (int i = 0; i < 16; i++)
+                pr[i] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * i + 1], s[2 * i])));
+            transpose16(pr);
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)w->p + 16 * i, pr[i]);
+            l[c] = _mm512_add_ps(_mm512_mul_ps(l[c], alpha), tile_sum32(s));
+            /* O = O * alpha + P V, d-chunk by d-chunk */
+            _tile_loadd(5, w->p, 64);
+            for (int64_t dc = 0; dc < D / 16; dc++) {
+                _tile_zero(6);
+                _tile_loadd(7, w->vt + dc * 512, 64);
+                _tile_dpbf16ps(6, 5, 7);
+                _tile_stored(6, w->pv + 16 * dc, D * 4);
+            }
+            float al[16];
+            _mm512_storeu_ps(al, alpha);
+            int32_t lp[16];
+            _mm512_storeu_si512(lp, pos[c]);
+            for (int nn = 0; nn < 16 && 16 * c + nn < R; nn++) {
+                if (lp[nn] < j0) continue; /* this row's keys end before the tile */
+                float *o = w->o + (16 * c + nn) * D;
+                const __m512 av = _mm512_set1_ps(al[nn]);
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), av, _mm512_loadu_ps(w->pv + nn * D + d)));
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        int64_t t = t0 + r / G, h = r % G;
+        uint16_t *out = (uint16_t *)a->out + (t * a->heads + g * G + h) * D;
+        float lr[16];
+        _mm512_storeu_ps(lr, l[r / 16]);
+        const __m512 inv = _mm512_set1_ps(1.0f / lr[r % 16]);
+        for (int64_t d = 0; d < D; d += 16) _mm256_storeu_si256((__m256i *)(out + d), amx_round_bf16(_mm512_mul_ps(_mm512_loadu_ps(w->o + r * D + d), inv)));
+    }
+}
+
+#endif

@@ -1,0 +1,167 @@
+/* bf16 linear layers on AMX tiles (amx.h), included by linear.c where amx_on.
+ *
+ * Packed weight: K padded to KT = 32 and N to NQ = 32 with zeros; panel q (32 output columns)
+ * is KB = Kp / 32 steps of two 1 KB B tiles, [kb][t][16 pairs][16 columns][2] (the VNNI pair
+ * layout TDPBF16PS reads): tile (q, kb, t)[i][n][j] = w[32q + 16t + n][32kb + 2i + j].
+ *
+ * y[m, n] sums its pairs for kb = 0, 1, ..., KB - 1 in order from its own row of x and column
+ * of w (amx.h), so a row's bits do not depend on the batch, the block or the thread split:
+ * the same invariance as the vector kernels, with another (fixed) order. The zero padding
+ * adds exact zeros. A block is 32 rows x 32 columns (four C tiles, two A and two B tiles per
+ * k step); rows go in chunks whose activations and outputs stay in L2 across the panels.
+ */
+#ifndef PDSERVE_LINEAR_AMX_H
+#define PDSERVE_LINEAR_AMX_H
+
+#include "amx.h"
+
+#define KT 32 /* k per tile step (16 bf16 pairs) */
+#define NQ 32 /* output columns per panel: two B tiles */
+#define MB 32 /* rows per block: two A tiles */
+
+/* Tiles 0-3: C (rows r0, r0, r1, r1); 4, 5: A (r0, r1 rows); 6, 7: B. */
+static void amx_configure_block(int rows) {
+    int r0 = rows < 16 ? rows : 16, r1 = rows > 16 ? rows - 16 : 0;
+    const int t[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+    amx_configure(t);
+}
+
+static inline int64_t amx_packed_numel(int64_t N, int64_t K) {
+    return (N + NQ - 1) / NQ * NQ * ((K + KT - 1) / KT * KT);
+}
+
+static void amx_pack(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, uint16_t *out) {
+    int64_t KB = (K + KT - 1) / KT;
+    for (int64_t q = 0; q * NQ < N; q++)
+        for (int64_t kb = 0; kb < KB; kb++)
+            for (int t = 0; t < 2; t++)
+                for (int i = 0; i < KT / 2; i++)
+                    for (int n = 0; n < 16; n++)
+                        for (int j = 0; j < 2; j++) {
+                            int64_t col = q * NQ + 16 * t + n, k = kb * KT + 2 * i + j;
+                            *out++ = col < N && k < K ? w[col * ldw + k] : 0;
+                        }
+}
+
+/* y[r, 32q .. 32q + ncols) for r < rows from the float32 block c[32][32], + bias, in bf16. */
+static inline void amx_store(const float *c, int rows, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t ncols) {
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2 && 16 * h < ncols; h++) {
+            int64_t nc = ncols - 16 * h < 16 ? ncols - 16 * h : 16;
+            __mmask16 mk = (__mmask16)((1u << nc) - 1);
+            __m512 v = _mm512_loadu_ps(c + r * NQ + 16 * h);
+            if (bias) v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias + 16 * h)), 16)));
+            _mm256_mask_storeu_epi16(y + r * ldy + 16 * h, mk, amx_round_bf16(v));
+        }
+}
+
+/* One block of rows <= 32 (tiles configured for them) against panel wq: x rows of stride
+ * ldx elements. A last k step short of 32 reads a zero-padded copy of its columns. */
+static inline void amx_block(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t *wq, int rows, float *c) {
+    int64_t KB = K / KT, tail = K - KB * KT;
+    uint16_t pad[MB * KT] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < KB + (tail > 0); kb++) {
+        const uint16_t *b = wq + kb * 2 * 512, *xa = x + kb * KT;
+        int64_t lda = ldx;
+        if (kb == KB) { /* the short last step */
+            memset(pad, 0, sizeof pad);
+            for (int r = 0; r < rows; r++) memcpy(pad + r * KT, xa + r * ldx, (size_t)tail * 2);
+            xa = pad;
+            lda = KT;
+        }
+        _tile_loadd(4, xa, lda * 2);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows > 16) {
+            _tile_loadd(5, xa + 16 * lda, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, NQ * 4);
+    _tile_stored(1, c + 16, NQ * 4);
+    if (rows > 16) {
+        _tile_stored(2, c + 16 * NQ, NQ * 4);
+        _tile_stored(3, c + 16 * NQ + 16, NQ * 4);
+    }
+}
+
+typedef struct {
+    const uint16_t *x, *w, *bias;
+    uint16_t *y;
+    int64_t M, K, N, ldx, ldy;
+} amx_args;
+
+static void amx_range(const void *args, int64_t q_begin, int64_t q_end) {
+    const amx_args *a = (const amx_args *)args;
+    int64_t KB = (a->K + KT - 1) / KT, Kp = KB * KT;
+    /* rows per chunk: the chunk's activations and outputs (~768 KB) stay in L2 across the panels */
+    int64_t MC = (768 * 1024 / (Kp * 2 + a->N * 2)) / MB * MB;
+    if (MC < MB) MC = MB;
+    float c[MB * NQ] __attribute__((aligned(64)));
+    int config = -1; /* rows of the loaded config: 32 (full) or the tail's */
+    for (int64_t mc = 0; mc < a->M; mc += MC) {
+        int64_t mce = a->M < mc + MC ? a->M : mc + MC;
+        /* panels outside, row blocks inside: each B tile pair feeds the chunk's blocks */
+        for (int64_t q = q_begin; q < q_end; q++) {
+            const uint16_t *wq = a->w + q * KB * 2 * 512;
+            int64_t ncols = a->N - q * NQ < NQ ? a->N - q * NQ : NQ;
+            const uint16_t *bq = a->bias ? a->bias + q * NQ : 0;
+            for (int64_t m = mc; m < mce; m += MB) {
+                int rows = mce - m < MB ? (int)(mce - m) : MB;
+                if (rows != config) {
+                    amx_configure_block(rows);
+                    config = rows;
+                }
+                amx_block(a->x + m * a->ldx, a->ldx, a->K, wq, rows, c);
+                amx_store(c, rows, bq, a->y + m * a->ldy + q * NQ, a->ldy, ncols);
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* x: [M, K] bf16 (row stride ldx); wp: amx_pack'd [N, K]; bias [N] or NULL; y: [M, N]
+ * (row stride ldy). nthreads >= 1 split the panels. */
+static void amx_linear(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N, const uint16_t *bias,
+                       uint16_t *y, int64_t ldy, int64_t nthreads) {
+    amx_args a = {x, wp, bias, y, M, K, N, ldx, ldy};
+    parallel_ranges(amx_range, &a, (N + NQ - 1) / NQ, 1, M * N * K < (1 << 18) ? 1 : nthreads);
+}
+
+/* The most TDPBF16PS work one thread can issue: iters x 24 tile products (16 x 16 x 32, 16,384
+ * FLOPs each), rotating over four C tiles. Returns a value so the work is kept. */
+static float amx_peak_probe(int64_t iters) {
+    amx_configure_block(32);
+    uint16_t a[16 * 32] __attribute__((aligned(64)));
+    float c[16 * 16] __attribute__((aligned(64)));
+    for (int i = 0; i < 16 * 32; i++) a[i] = 0x3f80; /* 1.0 */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, a, 64);
+    _tile_loadd(5, a, 64);
+    _tile_loadd(6, a, 64);
+    _tile_loadd(7, a, 64);
+    for (int64_t i = 0; i < iters; i++)
+        for (int r = 0; r < 6; r++) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    _tile_stored(0, c, 64);
+    _tile_release();
+    return c[0];
+}
+
+#endif
