@@ -62,12 +62,65 @@ static inline __m512 tile_sum32(__m512 e[AT]) {
     return e[0];
 }
 
+/* One tile's softmax step for a chunk, a lane per row: st = S^T [AT keys][16 lanes]; pos:
+ * each lane's position (-1: no row); m, l: the lanes' running max and sum, updated. Writes
+ * P [16 rows][AT] bf16 (the A tile of P V) and alpha[16], the factor on the rows' O. */
+static inline void softmax_lanes(const float *st, __m512i pos, int64_t j0, float scale, float *m, float *l, uint16_t *p, float *alpha) {
+    __m512 s[AT], mt = _mm512_set1_ps(-INFINITY), mo = _mm512_loadu_ps(m);
+    __mmask16 valid[AT];
+    for (int j = 0; j < AT; j++) {
+        valid[j] = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int32_t)(j0 + j)), pos);
+        s[j] = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_loadu_ps(st + 16 * j), _mm512_set1_ps(scale)));
+        mt = _mm512_max_ps(mt, s[j]);
+    }
+    __m512 mn = _mm512_max_ps(mo, mt);
+    __mmask16 moves = _mm512_cmp_ps_mask(mo, mn, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(mo, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+    __m512 al = _mm512_mask_blend_ps(moves, _mm512_set1_ps(1.0f), vexp(_mm512_maskz_sub_ps(moves, mo, mn)));
+    __mmask16 live = _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); /* lanes with keys so far */
+    _mm512_storeu_ps(m, _mm512_mask_mov_ps(mo, live, mn));
+    for (int j = 0; j < AT; j++) s[j] = _mm512_maskz_mov_ps(valid[j], vexp(_mm512_maskz_sub_ps(valid[j], s[j], mn)));
+    /* P: pairs of keys as dwords (lane n: e_2i[n], e_2i+1[n]), then a 16 x 16 dword transpose */
+    const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006, 0x00170007,
+                                                 0x00180008, 0x00190009, 0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
+    __m512 pr[16];
+    for (int i = 0; i < 16; i++) pr[i] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * i + 1], s[2 * i])));
+    transpose16(pr);
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)p + 16 * i, pr[i]);
+    _mm512_storeu_ps(l, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l), al), tile_sum32(s)));
+    _mm512_storeu_ps(alpha, al);
+}
+
+/* softmax_lanes for the first `rows` lanes, one row at a time with keys in lanes: the same
+ * operations per element (the max is exact in any order; l's tree is tile_sum32's, which is
+ * vsum() of keys j + (j + 16)), so the same bits; cheaper when a chunk holds a decode token's
+ * few heads. lp: the lanes' positions. */
+static inline void softmax_rows(const float *st, const int32_t *lp, int rows, int64_t j0, float scale, float *m, float *l, uint16_t *p, float *alpha) {
+    const __m512i col = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    for (int n = 0; n < rows; n++) {
+        alpha[n] = 1.0f;
+        if (lp[n] < j0) continue; /* no keys here: the row skips the tile */
+        int64_t nv = lp[n] - j0 + 1;
+        __mmask16 v0 = nv >= 16 ? 0xffff : (__mmask16)((1u << nv) - 1);
+        __mmask16 v1 = nv >= 32 ? 0xffff : nv > 16 ? (__mmask16)((1u << (nv - 16)) - 1) : 0;
+        __m512 s0 = _mm512_mask_blend_ps(v0, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_i32gather_ps(col, st + n, 4), _mm512_set1_ps(scale)));
+        __m512 s1 = _mm512_mask_blend_ps(v1, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_i32gather_ps(col, st + 16 * 16 + n, 4), _mm512_set1_ps(scale)));
+        float mt = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), mo = m[n], mn = mo > mt ? mo : mt;
+        float al = mo != mn && mo != -INFINITY ? _mm512_cvtss_f32(vexp(_mm512_set1_ps(mo - mn))) : 1.0f;
+        if (mn != -INFINITY) m[n] = mn;
+        __m512 e0 = _mm512_maskz_mov_ps(v0, vexp(_mm512_maskz_sub_ps(v0, s0, _mm512_set1_ps(mn))));
+        __m512 e1 = _mm512_maskz_mov_ps(v1, vexp(_mm512_maskz_sub_ps(v1, s1, _mm512_set1_ps(mn))));
+        _mm512_storeu_si512(p + AT * n, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        l[n] = l[n] * al + vsum(_mm512_add_ps(e0, e1));
+        alpha[n] = al;
+    }
+}
+
 static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t g, amx_attn_work *w) {
     const int64_t G = a->heads / a->kv_heads, D = a->D, R = (t1 - t0) * G, chunks = (R + 15) / 16, DK = D / 32;
     const int32_t *table = a->tables + (int64_t)a->token_seq[t0] * a->max_blocks;
     const uint16_t *kh = (const uint16_t *)a->k + g * a->kv_head_stride, *vh = (const uint16_t *)a->v + g * a->kv_head_stride;
     __m512i pos[MAX_GROUP * QB / 16]; /* each lane's position; -1 for lanes past R */
-    __m512 m[MAX_GROUP * QB / 16], l[MAX_GROUP * QB / 16];
+    float m[MAX_GROUP * QB], l[MAX_GROUP * QB]; /* each row's running max and sum */
     int64_t chunk_last[MAX_GROUP * QB / 16]; /* the largest position in the chunk */
     /* queries as B tiles: dword (i, n) of d-chunk dk is row n's dword 16 dk + i (a pair of d) */
     memset(w->qt, 0, (size_t)(chunks * D * 16 * 2));
@@ -86,7 +139,7 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
             chunk_last[c] = a->positions[t];
         }
         pos[c] = _mm512_loadu_si512(lane_pos);
-        m[c] = _mm512_set1_ps(-INFINITY), l[c] = _mm512_setzero_ps();
+        for (int n = 0; n < 16; n++) m[16 * c + n] = -INFINITY, l[16 * c + n] = 0.0f;
     }
     memset(w->o, 0, (size_t)(chunks * 16 * D * 4));
     /* d-chunk c of a value row pair: words 2dd, 2dd + 1 = v_2i[16c + dd], v_2i+1[16c + dd] */
@@ -96,8 +149,7 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
         for (int dd = 0; dd < 16; dd++) idx[2 * dd] = (uint16_t)(16 * h + dd), idx[2 * dd + 1] = (uint16_t)(32 + 16 * h + dd);
         pair_idx[h] = _mm512_loadu_si512(idx);
     }
-    const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006, 0x00170007,
-                                                 0x00180008, 0x00190009, 0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
+    memset(w->p, 0, 16 * AT * 2);
     const int64_t last = a->positions[t1 - 1];
     for (int64_t j0 = 0; j0 <= last; j0 += AT) {
         int64_t n = last + 1 - j0 < AT ? last + 1 - j0 : AT;
@@ -107,6 +159,16 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
             int64_t slot = (int64_t)table[blk] * a->block_size + off;
             kr[j] = kh + slot * D, vr[j] = vh + slot * D;
             if (++off == a->block_size) blk++, off = 0;
+        }
+        for (int64_t j = 2 * AT; j < 3 * AT && j0 + j <= last; j += 16) { /* two tiles ahead, into L2 */
+            int64_t b = (j0 + j) / a->block_size, o = (j0 + j) % a->block_size, nr = last + 1 - j0 - j < 16 ? last + 1 - j0 - j : 16;
+            for (int64_t r = 0; r < nr; r++) {
+                int64_t slot = (int64_t)table[b + (o + r) / a->block_size] * a->block_size + (o + r) % a->block_size;
+                for (int64_t x = 0; x < D * 2; x += 64) {
+                    _mm_prefetch((const char *)(kh + slot * D) + x, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(vh + slot * D) + x, _MM_HINT_T1);
+                }
+            }
         }
         /* keys as A tiles: 16 rows in place where they are whole and one block apart, else copied */
         const uint16_t *ka[2];
@@ -145,45 +207,43 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
             }
             _tile_stored(0, w->st, 64);
             _tile_stored(1, w->st + 16 * 16, 64);
-            /* the softmax step, a lane per row */
-            __m512 s[AT], mt = _mm512_set1_ps(-INFINITY);
-            __mmask16 valid[AT];
-            const __m512 scale = _mm512_set1_ps(a->scale);
-            for (int j = 0; j < AT; j++) {
-                valid[j] = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int32_t)(j0 + j)), pos[c]);
-                s[j] = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_loadu_ps(w->st + 16 * j), scale));
-                mt = _mm512_max_ps(mt, s[j]);
-            }
-            __m512 mn = _mm512_max_ps(m[c], mt);
-            __mmask16 moves = _mm512_cmp_ps_mask(m[c], mn, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(m[c], _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-            __m512 alpha = _mm512_mask_blend_ps(moves, _mm512_set1_ps(1.0f), vexp(_mm512_maskz_sub_ps(moves, m[c], mn)));
-            __mmask16 live = _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); /* lanes with keys so far */
-            m[c] = _mm512_mask_mov_ps(m[c], live, mn);
-            for (int j = 0; j < AT; j++) s[j] = _mm512_maskz_mov_ps(valid[j], vexp(_mm512_maskz_sub_ps(valid[j], s[j], mn)));
-            /* P as an A tile: row n = lane n's 32 probabilities; built as B-style pairs, then a
-             * 16 x 16 dword transpose */
-            __m512 pr[16];
-            for (int i = 0; i < 16; i++)
-                pr[i] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * i + 1], s[2 * i])));
-            transpose16(pr);
-            for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)w->p + 16 * i, pr[i]);
-            l[c] = _mm512_add_ps(_mm512_mul_ps(l[c], alpha), tile_sum32(s));
-            /* O = O * alpha + P V, d-chunk by d-chunk */
-            _tile_loadd(5, w->p, 64);
-            for (int64_t dc = 0; dc < D / 16; dc++) {
-                _tile_zero(6);
-                _tile_loadd(7, w->vt + dc * 512, 64);
-                _tile_dpbf16ps(6, 5, 7);
-                _tile_stored(6, w->pv + 16 * dc, D * 4);
-            }
-            float al[16];
-            _mm512_storeu_ps(al, alpha);
+            /* the softmax step: a lane per row, or row by row where the chunk has few (decode) */
+            float alpha[16];
             int32_t lp[16];
             _mm512_storeu_si512(lp, pos[c]);
-            for (int nn = 0; nn < 16 && 16 * c + nn < R; nn++) {
+            int rows = R - 16 * c < 16 ? (int)(R - 16 * c) : 16;
+            if (rows <= 4) softmax_rows(w->st, lp, rows, j0, a->scale, m + 16 * c, l + 16 * c, w->p, alpha);
+            else softmax_lanes(w->st, pos[c], j0, a->scale, m + 16 * c, l + 16 * c, w->p, alpha);
+            /* O = O * alpha + P V, d-chunk by d-chunk */
+            _tile_loadd(5, w->p, 64);
+            for (int64_t dc = 0; dc < D / 16; dc += 4) { /* four independent C tiles (0-3) at a time */
+                _tile_zero(0);
+                _tile_loadd(6, w->vt + dc * 512, 64);
+                _tile_dpbf16ps(0, 5, 6);
+                if (dc + 1 < D / 16) {
+                    _tile_zero(1);
+                    _tile_loadd(7, w->vt + (dc + 1) * 512, 64);
+                    _tile_dpbf16ps(1, 5, 7);
+                }
+                if (dc + 2 < D / 16) {
+                    _tile_zero(2);
+                    _tile_loadd(6, w->vt + (dc + 2) * 512, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_zero(3);
+                    _tile_loadd(7, w->vt + (dc + 3) * 512, 64);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, w->pv + 16 * dc, D * 4);
+                if (dc + 1 < D / 16) _tile_stored(1, w->pv + 16 * (dc + 1), D * 4);
+                if (dc + 2 < D / 16) {
+                    _tile_stored(2, w->pv + 16 * (dc + 2), D * 4);
+                    _tile_stored(3, w->pv + 16 * (dc + 3), D * 4);
+                }
+            }
+            for (int nn = 0; nn < rows; nn++) {
                 if (lp[nn] < j0) continue; /* this row's keys end before the tile */
                 float *o = w->o + (16 * c + nn) * D;
-                const __m512 av = _mm512_set1_ps(al[nn]);
+                const __m512 av = _mm512_set1_ps(alpha[nn]);
                 for (int64_t d = 0; d < D; d += 16)
                     _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), av, _mm512_loadu_ps(w->pv + nn * D + d)));
             }
@@ -192,9 +252,7 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
     for (int64_t r = 0; r < R; r++) {
         int64_t t = t0 + r / G, h = r % G;
         uint16_t *out = (uint16_t *)a->out + (t * a->heads + g * G + h) * D;
-        float lr[16];
-        _mm512_storeu_ps(lr, l[r / 16]);
-        const __m512 inv = _mm512_set1_ps(1.0f / lr[r % 16]);
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
         for (int64_t d = 0; d < D; d += 16) _mm256_storeu_si256((__m256i *)(out + d), amx_round_bf16(_mm512_mul_ps(_mm512_loadu_ps(w->o + r * D + d), inv)));
     }
 }
