@@ -160,15 +160,13 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
             kr[j] = kh + slot * D, vr[j] = vh + slot * D;
             if (++off == a->block_size) blk++, off = 0;
         }
-        for (int64_t j = 2 * AT; j < 3 * AT && j0 + j <= last; j += 16) { /* two tiles ahead, into L2 */
-            int64_t b = (j0 + j) / a->block_size, o = (j0 + j) % a->block_size, nr = last + 1 - j0 - j < 16 ? last + 1 - j0 - j : 16;
-            for (int64_t r = 0; r < nr; r++) {
-                int64_t slot = (int64_t)table[b + (o + r) / a->block_size] * a->block_size + (o + r) % a->block_size;
-                for (int64_t x = 0; x < D * 2; x += 64) {
-                    _mm_prefetch((const char *)(kh + slot * D) + x, _MM_HINT_T1);
-                    _mm_prefetch((const char *)(vh + slot * D) + x, _MM_HINT_T1);
-                }
-            }
+        /* the tile two ahead: its keys' and values' rows, fetched into L2 a pair of keys at a time
+         * during the value interleave below (spread out, so the requests stay in flight) */
+        const char *pfk[AT / 2], *pfv[AT / 2];
+        int64_t npf = 0;
+        for (int64_t j = j0 + 2 * AT; j < j0 + 3 * AT && j <= last; j += 2, npf++) {
+            int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+            pfk[npf] = (const char *)(kh + slot * D), pfv[npf] = (const char *)(vh + slot * D);
         }
         /* keys as A tiles: 16 rows in place where they are whole and one block apart, else copied */
         const uint16_t *ka[2];
@@ -186,6 +184,11 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
         }
         /* values as B tiles: row i of d-chunk c interleaves keys 2i and 2i + 1 (zeros past n) */
         for (int64_t i = 0; i < AT / 2; i++) {
+            if (i < npf) /* keys j and j + 1 (a block holds an even count of slots: one more row on) */
+                for (int64_t x = 0; x < D * 2 * (1 + (a->block_size % 2 == 0)); x += 64) {
+                    _mm_prefetch(pfk[i] + x, _MM_HINT_T1);
+                    _mm_prefetch(pfv[i] + x, _MM_HINT_T1);
+                }
             const uint16_t *v0 = 2 * i < n ? vr[2 * i] : 0, *v1 = 2 * i + 1 < n ? vr[2 * i + 1] : 0;
             for (int64_t z = 0; z < D / 32; z++) {
                 __m512i x0 = v0 ? _mm512_loadu_si512(v0 + 32 * z) : _mm512_setzero_si512();
