@@ -3,7 +3,9 @@
 Inside real engine steps, ``timed_components`` times every call of the engine backend's
 ``linear`` (the LM head included) and ``forward`` (attention: storing the new K/V and the
 kernel), and the whole model forward. "other" is the forward minus those two: norms,
-rotary, activation, embedding and the Python between calls. Sampling and the scheduler
+rotary, activation, embedding and the Python between calls. The layers run one by one
+while timed (the cpu backend's one-call path, cpu/decoder.c, has no calls to time), so the
+breakdown's forward includes the Python that the one-call path saves. Sampling and the scheduler
 are outside the forward and not counted. The timers cost about 1 us per call (~120 linear
 and 30 attention calls per forward of the bundled model), which lands in "other".
 """
@@ -40,10 +42,12 @@ def timed_components(engine):
     timed(backend, "linear", "linear_s")
     timed(backend, "forward", "attention_s")
     timed(model, "forward", "forward_s", count=True)
+    fused, model.fused = getattr(model, "fused", None), None  # layer by layer, so each call is seen
     result: dict[str, float] = {}
     try:
         yield result
     finally:
+        model.fused = fused
         for obj, name in ((backend, "linear"), (backend, "forward"), (model, "forward")):
             delattr(obj, name)
         n = max(totals["num_forwards"], 1)

@@ -149,6 +149,30 @@ def test_disaggregated_equals_colocated(dtype):
     assert_all_blocks_free(decode)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_layers_equal_the_layer_by_layer_path(dtype, family):
+    """The cpu backend runs a step's decoder layers in one C call (cpu/decoder.c): every
+    sequence's ids and logprobs are the bits of calling the layers one by one (Qwen2 brings
+    the QKV biases), prompts and decodes mixed."""
+    prompts = random_prompts([37, 5, 60, 1], seed=9)
+    results = []
+    for fused in (True, False):
+        engine = engine_for(dtype, family=family, max_num_batched_tokens=64, chunk_size=32)
+        if engine.backend.name != "cpu":
+            pytest.skip("no C kernels here")
+        assert engine.model.fused is not None
+        if not fused:
+            engine.model.fused = None
+        seqs = [Sequence(f"r{i}", list(p), len(p), params()) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            engine.add(seq)
+        run_to_completion(engine)
+        assert_all_blocks_free(engine)
+        results.append([outputs(seq) for seq in seqs])
+    assert results[0] == results[1]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_torch_backend_is_batch_invariant_too(family):
     """The portable fallback keeps the rule (fixed-shape matmuls, one attention call per row)."""

@@ -101,6 +101,12 @@ class Backend(ABC):
         """Store k, v ([N, kv_heads, D]) and attend: q [N, heads, D] -> [N, heads * D].
         Token t sees its sequence's positions 0 .. meta.positions[t]."""
 
+    def fuse_layers(self, layers: list[Any]) -> Any | None:
+        """The model's decoder layers (models/llama.py ``DecoderLayer``) as one callable,
+        ``(h [N, H], meta) -> (h, residual)``, that computes what calling them one by one
+        does, to the bit; or None (the default) where this backend has none."""
+        return None
+
     # -- arithmetic ----------------------------------------------------------------------------
     @abstractmethod
     def pack(self, weight: torch.Tensor) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.backends.base import Backend, StepMetadata
+from pdserve.engine import cpu
 from pdserve.engine.cpu import ops
 
 
@@ -29,6 +30,24 @@ class CpuBackend(Backend):
                                   self.kv_cache.block_size, scale, self.num_threads, k_new=k, v_new=v, slots=meta.slot_mapping)
         self.mark_stored(layer, meta)  # the kernel stored k, v first
         return out
+
+    def fuse_layers(self, layers):
+        """The layers as one C call per step (cpu/decoder.c), where it built."""
+        if cpu.load("decoder") is None or not layers:
+            return None
+        first = layers[0]
+        decoder = ops.Decoder(
+            [{"w_qkv": l.qkv.packed, "b_qkv": l.qkv.bias, "w_o": l.o_proj.packed, "b_o": l.o_proj.bias, "w_gu": l.gate_up.packed,
+              "b_gu": l.gate_up.bias, "w_down": l.down.packed, "b_down": l.down.bias, "norm_in": l.input_norm.weight,
+              "norm_post": l.post_norm.weight, "k": self.kv_cache.k[l.index], "v": self.kv_cache.v[l.index]} for l in layers],
+            hidden=first.qkv.in_features, heads=first.heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
+            intermediate=first.down.in_features, block_size=self.kv_cache.block_size, eps=first.input_norm.eps, scale=first.scale,
+            cos=first.rotary.cos, sin=first.rotary.sin, dtype=first.qkv.packed.dtype, num_threads=self.num_threads)
+
+        def run(h: torch.Tensor, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+            return decoder(h, meta.positions, meta.slot_mapping, meta.token_seq, meta.block_tables)
+
+        return run
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         return ops.pack(weight)

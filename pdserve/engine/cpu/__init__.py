@@ -3,6 +3,7 @@
 - ``linear.c``: batch-invariant linear layers, float32 and bf16 (ops.py ``linear``).
 - ``pointwise.c``: fused residual add + RMSNorm, rotary in place, SiLU * mul.
 - ``attention.c``: paged causal attention over the KV pool, prompt chunks and decode alike.
+- ``decoder.c``: a step's decoder layers in one call over the three above (ops.py ``Decoder``).
 - ``kv_blocks.c``: block copies and checksums for the shm KV transfer backend.
 - ``simd.h``, ``parallel.h``: the vector abstraction (AVX-512, AVX2, portable) and thread split.
 - ``amx.h``, ``linear_amx.h``, ``attention_amx.h``: bf16 linear layers and attention on AMX
@@ -53,6 +54,9 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
     "attention": {
         "paged_attention": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
                                            _ptr, _ptr, _i64, _f, _ptr, ctypes.c_int, _i64]),
+    },
+    "decoder": {
+        "decoder_layers": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64]),
     },
     "kv_blocks": {
         "kv_checksum_blocks": (_u64, [_ptr, _i64, _i64, _ptr, _i64, _i64, _u64]),

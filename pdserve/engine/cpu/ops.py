@@ -8,6 +8,7 @@ it is disabled with a warning and its caller takes the torch path.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -121,6 +122,58 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if rc != 0:
         raise ValueError(f"paged attention kernel: unsupported heads {heads}/{k_cache.shape[0]} or head_dim {D}")
     return out
+
+
+class _DecoderModel(ctypes.Structure):
+    """decoder.c's ``decoder_model``."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "kv_head_stride",
+                                              "block_size", "bf", "nthreads")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("weights", ctypes.POINTER(ctypes.c_void_p)),
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)] + [
+        (n, ctypes.c_void_p) for n in ("linear", "add_rmsnorm", "rope", "silu_mul", "attention")]
+
+
+class Decoder:
+    """A model's decoder layers as one C call per step (decoder.c): the same kernels in the
+    same order as calling ``linear``, ``add_rmsnorm``, ``rope_``, ``paged_attention`` and
+    ``silu_mul`` layer by layer, so the same bits, without the Python between them.
+
+    layers: per layer a dict of the tensors decoder.c's ``weights`` lists (``w_qkv``,
+    ``b_qkv``, ``w_o``, ``b_o``, ``w_gu``, ``b_gu``, ``w_down``, ``b_down``: packed weights
+    and biases or None; ``norm_in``, ``norm_post``: [H]; ``k``, ``v``: the layer's pool
+    [kv_heads, slots, D]); the sizes as named. The tensors must outlive the Decoder."""
+
+    _ORDER = ("w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu", "w_down", "b_down", "norm_in", "norm_post", "k", "v")
+
+    def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, block_size: int,
+                 eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, num_threads: int):
+        self._keep = (layers, cos, sin)
+        ptrs = [t.data_ptr() if t is not None else None for layer in layers for t in (layer[n] for n in self._ORDER)]
+        self._weights = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        fn = lambda name, f: ctypes.cast(getattr(_lib(name), f), ctypes.c_void_p).value  # noqa: E731
+        self._model = _DecoderModel(
+            len(layers), hidden, heads, kv_heads, head_dim, intermediate, layers[0]["k"].stride(0), block_size, _bf(torch.empty(0, dtype=dtype)),
+            num_threads, eps, scale, ctypes.cast(self._weights, ctypes.POINTER(ctypes.c_void_p)), cos.data_ptr(), sin.data_ptr(),
+            fn("linear", "linear_bf16" if dtype == torch.bfloat16 else "linear_f32"), fn("pointwise", "add_rmsnorm"),
+            fn("pointwise", "rope_inplace"), fn("pointwise", "silu_mul"), fn("attention", "paged_attention"))
+        self.hidden = hidden
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, token_seq: torch.Tensor,
+                 block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [N, H] contiguous, the embeddings (overwritten); positions, slots: [N] int64;
+        token_seq: [N] int32; block_tables: [S, max_blocks] int32. Stores each layer's K/V in
+        its slots. Returns (the last layer's output, the residual), both [N, H]. Raises
+        ValueError for a head layout the attention kernel does not take, MemoryError when
+        its scratch cannot be allocated."""
+        residual = torch.empty_like(h)
+        rc = _lib("decoder").decoder_layers(ctypes.byref(self._model), h.data_ptr(), residual.data_ptr(), h.shape[0], positions.data_ptr(),
+                                            slots.data_ptr(), token_seq.data_ptr(), block_tables.data_ptr(), block_tables.shape[1])
+        if rc == -1:
+            raise ValueError("paged attention kernel: unsupported head layout")
+        if rc != 0:
+            raise MemoryError("decoder layers: no memory for the step's activations")
+        return h, residual
 
 
 def _check_one(name: str, dtype: torch.dtype) -> None:

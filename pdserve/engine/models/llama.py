@@ -9,6 +9,10 @@ Per decoder layer, six backend calls and two norms:
     x, res = add_rmsnorm(o_proj(o), res)
     h = down(silu_mul(gate_up(x)))           # fused gate-up: [N, 2 I]
 
+On the cpu backend all layers of a step run as one C call over the same kernels
+(``backend.fuse_layers``, cpu/decoder.c; the same bits), except in a prefill that streams its
+KV layer by layer, which marks each layer as it is stored.
+
 The weights come from the transformers model loaded by ``model_loader`` (HF directories and
 GGUF alike); its modules are not called. Shapes follow the config: Qwen2 adds biases to the
 QKV projection, Llama may (``attention_bias``, ``mlp_bias``); both tie or untie lm_head.
@@ -80,14 +84,18 @@ class LlamaForCausalLM:
         self.layers = [DecoderLayer(backend, params, f"model.layers.{i}.", i, cfg, rotary) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(backend, params["model.norm.weight"], cfg.rms_norm_eps)
         self.lm_head = Linear(backend, params.get("lm_head.weight", self.embed))
+        self.fused = backend.fuse_layers(self.layers)  # all layers in one backend call, or None
 
     @torch.inference_mode()
     def forward(self, meta: StepMetadata) -> torch.Tensor:
         """One step over ``meta``'s N new tokens. Returns logits [S, vocab] float32 at each
         sequence's last new token."""
         h, residual = F.embedding(meta.input_ids, self.embed), None  # [N, H]
-        for layer in self.layers:
-            h, residual = layer(h, residual, meta)
+        if self.fused is not None and not meta.kv_progress:  # layer-wise streaming marks each layer: not fused
+            h, residual = self.fused(h, meta)
+        else:
+            for layer in self.layers:
+                h, residual = layer(h, residual, meta)
         last = meta.last_token_index
         x, _ = self.norm(h[last], residual[last])  # [S, H] (indexing copies): only the rows that sample
         return self.lm_head(x).float()  # [S, vocab]
