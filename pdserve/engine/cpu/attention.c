@@ -192,7 +192,7 @@ typedef struct {
     const int32_t *tables, *token_seq;
     const int64_t *positions;
     const int64_t *blocks; /* [num_units + 1] first token of each query block */
-    int64_t ldq, kv_head_stride, max_blocks, heads, kv_heads, D, block_size;
+    int64_t ldq, kv_head_stride, max_blocks, heads, kv_heads, D, block_size, num_units;
     float scale;
     int bf;
 } attn_args;
@@ -311,6 +311,15 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
 }
 
 
+/* The unit at place i of the thread split: the two ends of the unit list alternate (first,
+ * last, second, ...), so that contiguous ranges of places mix a prompt's early query blocks,
+ * which see few keys, with its late ones, which see many. Which thread runs a unit changes
+ * none of its bits. */
+static inline int64_t unit_at(const attn_args *a, int64_t i) {
+    int64_t n = a->num_units;
+    return i % 2 == 0 ? i / 2 : n - 1 - i / 2;
+}
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__)
 #include "attention_amx.h" /* bf16 on AMX tiles where the kernel grants them (amx_on) */
 
@@ -321,8 +330,8 @@ static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
     amx_attn_work w = amx_attn_carve(mem, QB * (a->heads / a->kv_heads), a->D);
     const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     amx_configure(rows);
-    for (int64_t unit = begin; unit < end; unit++) {
-        int64_t b = unit / a->kv_heads, g = unit % a->kv_heads;
+    for (int64_t i = begin; i < end; i++) {
+        int64_t unit = unit_at(a, i), b = unit / a->kv_heads, g = unit % a->kv_heads;
         attend_unit_amx(a, a->blocks[b], a->blocks[b + 1], g, &w);
     }
     _tile_release();
@@ -338,8 +347,8 @@ static void attend_range(const void *args, int64_t begin, int64_t end) {
     if (attend_range_amx(a, begin, end)) return;
     const int64_t G = a->heads / a->kv_heads, D = a->D, R = QB * G;
     float *work = malloc(sizeof(float) * (size_t)(2 * R * D + 2 * D * KT + 2 * R));
-    for (int64_t unit = begin; unit < end; unit++) { /* unit = query block * kv_heads + kv head */
-        int64_t b = unit / a->kv_heads, g = unit % a->kv_heads;
+    for (int64_t i = begin; i < end; i++) { /* unit = query block * kv_heads + kv head */
+        int64_t unit = unit_at(a, i), b = unit / a->kv_heads, g = unit % a->kv_heads;
         attend_unit(a, a->blocks[b], a->blocks[b + 1], g, work);
     }
     free(work);
@@ -366,7 +375,8 @@ int paged_attention(const void *q, int64_t T, int64_t ldq, int64_t heads, int64_
         if (t == 0 || token_seq[t] != token_seq[t - 1] || positions[t] != positions[t - 1] + 1 || t - blocks[nb - 1] >= QB)
             blocks[nb++] = t;
     blocks[nb] = T;
-    attn_args a = {q, k_cache, v_cache, out, block_tables, token_seq, positions, blocks, ldq, kv_head_stride, max_blocks, heads, kv_heads, D, block_size, scale, bf};
+    attn_args a = {q, k_cache, v_cache, out, block_tables, token_seq, positions, blocks, ldq, kv_head_stride, max_blocks, heads, kv_heads, D, block_size,
+                   nb * kv_heads, scale, bf};
     parallel_ranges(attend_range, &a, nb * kv_heads, 1, nthreads);
     free(blocks);
     return 0;

@@ -154,19 +154,33 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
     for (int64_t j0 = 0; j0 <= last; j0 += AT) {
         int64_t n = last + 1 - j0 < AT ? last + 1 - j0 : AT;
         const uint16_t *kr[AT], *vr[AT];
-        int64_t blk = j0 / a->block_size, off = j0 % a->block_size;
-        for (int64_t j = 0; j < n; j++) {
-            int64_t slot = (int64_t)table[blk] * a->block_size + off;
-            kr[j] = kh + slot * D, vr[j] = vh + slot * D;
-            if (++off == a->block_size) blk++, off = 0;
-        }
-        /* the tile two ahead: its keys' and values' rows, fetched into L2 a pair of keys at a time
-         * during the value interleave below (spread out, so the requests stay in flight) */
         const char *pfk[AT / 2], *pfv[AT / 2];
         int64_t npf = 0;
-        for (int64_t j = j0 + 2 * AT; j < j0 + 3 * AT && j <= last; j += 2, npf++) {
-            int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
-            pfk[npf] = (const char *)(kh + slot * D), pfv[npf] = (const char *)(vh + slot * D);
+        if (a->block_size % 16 == 0) { /* a half tile is 16 slots of one block: two look-ups */
+            for (int64_t hf = 0; hf < 2; hf++) {
+                int64_t j = j0 + 16 * hf;
+                if (j > last) break; /* no keys here (nor two tiles on) */
+                int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+                for (int64_t r = 0; r < 16; r++) kr[16 * hf + r] = kh + (slot + r) * D, vr[16 * hf + r] = vh + (slot + r) * D;
+                j += 2 * AT;
+                if (j > last) continue;
+                slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+                for (int64_t r = 0; r < 16 && j + r <= last; r += 2, npf++)
+                    pfk[npf] = (const char *)(kh + (slot + r) * D), pfv[npf] = (const char *)(vh + (slot + r) * D);
+            }
+        } else {
+            int64_t blk = j0 / a->block_size, off = j0 % a->block_size;
+            for (int64_t j = 0; j < n; j++) {
+                int64_t slot = (int64_t)table[blk] * a->block_size + off;
+                kr[j] = kh + slot * D, vr[j] = vh + slot * D;
+                if (++off == a->block_size) blk++, off = 0;
+            }
+            /* the tile two ahead: its keys' and values' rows, fetched into L2 a pair of keys at a
+             * time during the value interleave below (spread out, so the requests stay in flight) */
+            for (int64_t j = j0 + 2 * AT; j < j0 + 3 * AT && j <= last; j += 2, npf++) {
+                int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+                pfk[npf] = (const char *)(kh + slot * D), pfv[npf] = (const char *)(vh + slot * D);
+            }
         }
         /* keys as A tiles: 16 rows in place where they are whole and one block apart, else copied */
         const uint16_t *ka[2];

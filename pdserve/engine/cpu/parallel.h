@@ -1,12 +1,22 @@
 /* Split [0, total) into nthreads contiguous ranges (multiples of `align`) and run fn on each:
- * the caller takes the first range, pthreads the others, joined before return. A kernel's
- * output element is computed by one thread from start to end, so the thread count never
- * changes a result's bits. */
+ * the caller takes the first range, a pool of worker threads the others, all finished before
+ * return. A kernel's output element is computed by one thread from start to end, so the
+ * thread count never changes a result's bits.
+ *
+ * The pool (one per kernel library, started on first use) keeps its workers between calls:
+ * a worker spins for a few microseconds after a job, so the next kernel call of a step finds
+ * it awake, then sleeps on a condition variable. One caller at a time uses the pool; a
+ * second thread calling meanwhile (two engines in one process) starts threads of its own, as
+ * does a child after fork (the pool's threads are not there).
+ */
 #ifndef PDSERVE_PARALLEL_H
 #define PDSERVE_PARALLEL_H
 
+#include <immintrin.h>
 #include <pthread.h>
+#include <x86intrin.h>
 #include <stdint.h>
+#include <unistd.h>
 
 typedef void (*range_fn)(const void *args, int64_t begin, int64_t end);
 
@@ -16,28 +26,113 @@ typedef struct {
     int64_t begin, end;
 } range_job;
 
+#define POOL_MAX 15   /* workers besides the caller */
+#define POOL_SPIN_TICKS 60000 /* time stamp counter ticks a waiter spins before sleeping (~20-30 us) */
+
+static struct {
+    pthread_mutex_t busy, mu; /* busy: the one caller; mu: guards the fields below */
+    pthread_cond_t work, done;
+    range_job jobs[POOL_MAX];
+    int workers, pending;     /* started; still running this round */
+    uint64_t round;           /* bumped per dispatch */
+    pid_t pid;                /* the process whose workers these are */
+    uint64_t start[POOL_MAX]; /* the round a worker starts after */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
 static void *range_thread(void *p) {
     range_job *j = (range_job *)p;
     j->fn(j->args, j->begin, j->end);
     return 0;
 }
 
+/* Spin while the round is `seen`, for about POOL_SPIN_TICKS at most. */
+static inline void spin_on_round(uint64_t seen) {
+    uint64_t t0 = __rdtsc();
+    while (__atomic_load_n(&pool.round, __ATOMIC_ACQUIRE) == seen && __rdtsc() - t0 < POOL_SPIN_TICKS) _mm_pause();
+}
+
+static void *pool_worker(void *arg) {
+    int i = (int)(intptr_t)arg;
+    uint64_t seen = pool.start[i];
+    for (;;) {
+        spin_on_round(seen);
+        pthread_mutex_lock(&pool.mu);
+        while (pool.round == seen) pthread_cond_wait(&pool.work, &pool.mu);
+        seen = pool.round;
+        range_job j = pool.jobs[i];
+        pthread_mutex_unlock(&pool.mu);
+        if (j.fn && j.begin < j.end) j.fn(j.args, j.begin, j.end);
+        pthread_mutex_lock(&pool.mu);
+        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_ACQ_REL) == 0) pthread_cond_signal(&pool.done);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    return 0;
+}
+
+/* Workers 0 .. n - 1 exist (started here where missing); 0 if they cannot. Under pool.busy. */
+static int pool_ready(int n) {
+    while (pool.workers < n) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pool.start[pool.workers] = pool.round;
+        int rc = pthread_create(&t, &attr, pool_worker, (void *)(intptr_t)pool.workers);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) return 0;
+        pool.workers++;
+    }
+    return 1;
+}
+
+/* The pool as this process's own: a fresh one in a forked child, whose parent's workers (and
+ * whatever lock one of them held) did not come along. Under pool.busy. */
+static void pool_adopt(void) {
+    if (pool.pid == getpid()) return;
+    pthread_mutex_init(&pool.mu, 0);
+    pthread_cond_init(&pool.work, 0);
+    pthread_cond_init(&pool.done, 0);
+    pool.workers = pool.pending = 0;
+    pool.pid = getpid();
+}
+
 static void parallel_ranges(range_fn fn, const void *args, int64_t total, int64_t align, int64_t nthreads) {
-    if (nthreads > 16) nthreads = 16;
+    if (nthreads > POOL_MAX + 1) nthreads = POOL_MAX + 1;
     int64_t units = (total + align - 1) / align;
     if (nthreads > units) nthreads = units;
     if (nthreads <= 1) {
         fn(args, 0, total);
         return;
     }
-    pthread_t tid[16];
-    range_job jobs[16];
-    int started[16] = {0};
+    range_job jobs[POOL_MAX + 1];
     for (int64_t t = 0; t < nthreads; t++) {
         int64_t b = units * t / nthreads * align, e = units * (t + 1) / nthreads * align;
         jobs[t] = (range_job){fn, args, b, e < total ? e : total};
-        if (t > 0) started[t] = pthread_create(&tid[t], 0, range_thread, &jobs[t]) == 0;
     }
+    if (pthread_mutex_trylock(&pool.busy) == 0) {
+        pool_adopt();
+        if (pool_ready((int)nthreads - 1)) {
+            pthread_mutex_lock(&pool.mu);
+            for (int i = 0; i < pool.workers; i++) pool.jobs[i] = i + 1 < nthreads ? jobs[i + 1] : (range_job){0, 0, 0, 0};
+            __atomic_store_n(&pool.pending, pool.workers, __ATOMIC_RELEASE);
+            __atomic_add_fetch(&pool.round, 1, __ATOMIC_RELEASE);
+            pthread_cond_broadcast(&pool.work);
+            pthread_mutex_unlock(&pool.mu);
+            fn(args, jobs[0].begin, jobs[0].end);
+            uint64_t t0 = __rdtsc(); /* the workers' ranges end about when ours does: spin first */
+            while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0 && __rdtsc() - t0 < POOL_SPIN_TICKS) _mm_pause();
+            pthread_mutex_lock(&pool.mu);
+            while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+            pthread_mutex_unlock(&pool.busy);
+            return;
+        }
+        pthread_mutex_unlock(&pool.busy);
+    }
+    /* the pool is busy (another caller) or has no threads: threads of this call's own */
+    pthread_t tid[POOL_MAX + 1];
+    int started[POOL_MAX + 1] = {0};
+    for (int64_t t = 1; t < nthreads; t++) started[t] = pthread_create(&tid[t], 0, range_thread, &jobs[t]) == 0;
     fn(args, jobs[0].begin, jobs[0].end);
     for (int64_t t = 1; t < nthreads; t++) {
         if (started[t]) pthread_join(tid[t], 0);
