@@ -153,11 +153,10 @@ class Decoder:
         self._weights = (ctypes.c_void_p * len(ptrs))(*ptrs)
         fn = lambda name, f: ctypes.cast(getattr(_lib(name), f), ctypes.c_void_p).value  # noqa: E731
         self._model = _DecoderModel(
-            len(layers), hidden, heads, kv_heads, head_dim, intermediate, layers[0]["k"].stride(0), block_size, _bf(torch.empty(0, dtype=dtype)),
+            len(layers), hidden, heads, kv_heads, head_dim, intermediate, layers[0]["k"].stride(0), block_size, _bf(layers[0]["norm_in"]),
             num_threads, eps, scale, ctypes.cast(self._weights, ctypes.POINTER(ctypes.c_void_p)), cos.data_ptr(), sin.data_ptr(),
             fn("linear", "linear_bf16" if dtype == torch.bfloat16 else "linear_f32"), fn("pointwise", "add_rmsnorm"),
             fn("pointwise", "rope_inplace"), fn("pointwise", "silu_mul"), fn("attention", "paged_attention"))
-        self.hidden = hidden
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, token_seq: torch.Tensor,
                  block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
