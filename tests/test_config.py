@@ -37,6 +37,8 @@ def test_pools_are_configured_independently():
         ({"decode": {"autoscaling_policy": {"target_kv_usage": 0}}}, "decode.autoscaling_policy.target_kv_usage must be > 0"),
         ({"prefill": {"prefill_kernel": True}}, "prefill.prefill_kernel is gone: model.backend chooses"),
         ({"model": {"backend": "avx"}}, "model.backend must be one of auto, cpu, torch, cuda, not 'avx'"),
+        ({"decode": {"engine_nice": 20}}, "decode.engine_nice must be an integer from -20 to 19, not 20"),
+        ({"decode": {"engine_nice": "low"}}, "decode.engine_nice must be an integer"),
     ],
 )
 def test_bad_config_names_the_key(raw, message):

@@ -172,17 +172,24 @@ def test_tiny_temperature_is_greedy(cluster, reference):
 
 
 def test_32_concurrent_requests_of_mixed_lengths_equal_reference(cluster, reference):
-    """They share prefill and decode forwards (batched, ragged) and must not change a token."""
+    """They share prefill and decode forwards (batched, ragged) and must not change a token.
+    With the default conditional disaggregation, some of them queue at the prefill pool long
+    enough to be prefilled by decode itself: those equal the reference too."""
     from concurrent.futures import ThreadPoolExecutor
 
     model, tokenizer = reference
     ids = tokenizer(TEXT * 6).input_ids
     prompts = [ids[i * 7 : i * 7 + 3 + (i * 37) % 300] for i in range(32)]
     wants = [strip_eos(reference_generate(model, p, 16), tokenizer.eos_token_id)[0] for p in prompts]
+    cluster.generate(prompt_token_ids=ids[:200], max_tokens=1)  # alone: the router measures prefill's rate
+    before = pool_stats("router")
     with ThreadPoolExecutor(32) as pool:
         gots = list(pool.map(lambda p: cluster.generate(prompt_token_ids=p, max_tokens=16, request_id="same-id"), prompts))
     assert [g.token_ids for g in gots] == wants
     assert all(g.request_id == "same-id" for g in gots)  # echoed; internal ids stay unique
+    after = pool_stats("router")
+    local, remote = (after[k] - before[k] for k in ("num_prefill_local_queued", "num_prefill_remote"))
+    assert local >= 1 and remote >= 1 and local + remote + after["num_prefill_local_short"] - before["num_prefill_local_short"] == 32
     stats = pool_stats("decode")
     assert stats["num_running"] == 0 and stats["num_used_blocks"] == 0
 

@@ -18,7 +18,8 @@ GRPC_PORT, HTTP_PORT = 9180, 8180
 
 @pytest.fixture(scope="module")
 def cluster():
-    config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT},
+    config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT,
+                                                        "local_prefill_queue_s": None},  # every prompt streams its KV layer by layer
               "kv_transfer": {"backend": "grpc", "layerwise": True}}
     yield from serve_cluster(config)
 

@@ -157,6 +157,26 @@ def test_loop_streams_and_abort_frees_blocks():
     assert_all_blocks_free(engine)
 
 
+def test_loop_runs_the_engine_thread_at_its_niceness():
+    """``engine_nice``: the engine thread alone gets it (the caller's thread keeps its own)."""
+    engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=64, block_size=4), EOS, 512)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    loop = EngineLoop(engine, nice=mine + 3)
+    try:
+        async def main():
+            seq = Sequence("n", random_prompts([7])[0], 7, SamplingParams(max_tokens=2, ignore_eos=True))
+            queue = loop.submit(seq)
+            while (await asyncio.wait_for(queue.get(), timeout=30)).finish_reason is None:
+                pass
+
+        asyncio.run(main())  # the thread has run a step: its niceness is set by now
+        assert os.getpriority(os.PRIO_PROCESS, loop._thread.native_id) == mine + 3
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    finally:
+        loop.close()
+    assert_all_blocks_free(engine)
+
+
 def test_submit_and_abort_never_wait_for_a_running_step():
     """The event loop queues requests and aborts for the engine thread: with the engine's lock
     held (as through a long prefill step) both return at once, and once the step ends the

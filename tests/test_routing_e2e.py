@@ -24,7 +24,8 @@ GRPC_PORT, HTTP_PORT = 9130, 8130
 def cluster():
     half = {"num_cpus": 0.5, "num_gpus": 0, "resources": {}}
     two = {"min_replicas": 2, "max_replicas": 2, "upscale_delay_s": 10, "downscale_delay_s": 60, "look_back_period_s": 30}
-    config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "local_prefill_max_tokens": 32},
+    config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "local_prefill_max_tokens": 32,
+                                                        "local_prefill_queue_s": None},  # placement by length alone: what these tests count
               "prefill": {"autoscaling_config": two, "ray_actor_options": half}}
     yield from serve_cluster(config)
 

@@ -38,11 +38,13 @@ STALL_POLL_S = 1.0  # a waiting request checks this often whether the loop is st
 
 
 class EngineLoop:
-    """``max_step_s``: seconds one step may run before the loop counts as stalled."""
+    """``max_step_s``: seconds one step may run before the loop counts as stalled; ``nice``:
+    the engine thread's niceness (Linux), inherited by the kernel threads it starts."""
 
-    def __init__(self, engine: Engine, max_step_s: float = 120.0):
+    def __init__(self, engine: Engine, max_step_s: float = 120.0, nice: int = 0):
         self.engine = engine
         self.max_step_s = max_step_s
+        self.nice = nice
         self._hang_file = os.environ.get(HANG_FILE_ENV)
         self._outputs: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._adds: list[Sequence] = []
@@ -154,7 +156,19 @@ class EngineLoop:
             except RuntimeError:  # its event loop has closed: nobody will read this request's queue
                 self._outputs.pop(seq.request_id, None)
 
+    def _set_nice(self) -> None:
+        """Give this (the engine) thread its niceness; on Linux setpriority with a thread id
+        sets that thread alone. A lower value than the process's needs CAP_SYS_NICE: without
+        it the thread keeps the process's and a warning says so."""
+        if not self.nice or not hasattr(os, "setpriority"):
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        except OSError as e:
+            log.warning("engine thread niceness %d not set (%s); it runs at the process's", self.nice, e)
+
     def _run(self) -> None:
+        self._set_nice()
         while not self._stop.is_set():
             with self._lock:
                 adds, self._adds = self._adds, []

@@ -43,8 +43,14 @@ static void amx_configure(const int rows[8]) {
         c.rows[t] = (uint8_t)rows[t];
         c.colsb[t] = rows[t] ? 64 : 0;
     }
-    _tile_loadconfig(&c);
+    __asm__ volatile("ldtilecfg %0" ::"m"(c)); /* gcc 12's _tile_loadconfig declares 8 of the 64 bytes read: the
+                                                 * compiler may drop the stores to the rest (a #GP) */
 }
+
+/* TILELOADD tile t from rows of 64 bytes, stride bytes apart. gcc 12's _tile_loadd declares no
+ * memory read, so stores to a buffer just written (a packed P or V, a padded row) could be
+ * moved after it or dropped; the "memory" clobber keeps them before it. */
+#define amx_load(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(base)), "r"((long)(stride)) : "memory")
 
 /* 16 floats rounded to bf16 as bf16_round() does (nearest even, NaN kept quiet): 16 words. */
 static inline __m256i amx_round_bf16(__m512 v) {
