@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-.venv/bin/pdserve generate --local "${1:-What is the capital of France?}"
+.venv/bin/pdserve generate --local "${1:-Name the capital of France.}"
 if [ "${PDSERVE_KEEP_UP:-0}" != 1 ]; then .venv/bin/pdserve down; else echo "pdserve is still up (stop it with: .venv/bin/pdserve down)"; fi

@@ -55,24 +55,6 @@ static amx_attn_work amx_attn_carve(char *mem, int64_t rows, int64_t D) {
     return w;
 }
 
-/* exp(x) for the probabilities, which are rounded to bf16 next (relative precision 2^-8):
- * 2^(x log2 e) = 2^n 2^f with n = round(x log2 e), |f| <= 1/2, and 2^f by its Taylor series
- * to f^5 (relative error under 2.5e-6 there: (ln 2)^6 / 720 / 2^6), scaled by VSCALEFPS,
- * which gives 0 below the float range. 9 instructions against simd.h vexp's 18. Inputs here are
- * <= 0 (a score minus the running max) or masked off. */
-static inline __m512 vexp_p(__m512 x) {
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 y = _mm512_set1_ps(1.3333558146e-3f); /* (ln 2)^k / k!, k = 5 .. 0 */
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108665e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650696e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718056e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
 /* l's share of a tile: sum over j < 32 of e[j] in a fixed tree (j + 16, then + 8, + 4, + 2, + 1). */
 static inline __m512 tile_sum32(__m512 e[AT]) {
     for (int w = AT / 2; w >= 1; w /= 2)
@@ -93,10 +75,10 @@ static inline void softmax_lanes(const float *st, __m512i pos, int64_t j0, float
     }
     __m512 mn = _mm512_max_ps(mo, mt);
     __mmask16 moves = _mm512_cmp_ps_mask(mo, mn, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(mo, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-    __m512 al = _mm512_mask_blend_ps(moves, _mm512_set1_ps(1.0f), vexp_p(_mm512_maskz_sub_ps(moves, mo, mn)));
+    __m512 al = _mm512_mask_blend_ps(moves, _mm512_set1_ps(1.0f), vexp(_mm512_maskz_sub_ps(moves, mo, mn)));
     __mmask16 live = _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); /* lanes with keys so far */
     _mm512_storeu_ps(m, _mm512_mask_mov_ps(mo, live, mn));
-    for (int j = 0; j < AT; j++) s[j] = _mm512_maskz_mov_ps(valid[j], vexp_p(_mm512_maskz_sub_ps(valid[j], s[j], mn)));
+    for (int j = 0; j < AT; j++) s[j] = _mm512_maskz_mov_ps(valid[j], vexp(_mm512_maskz_sub_ps(valid[j], s[j], mn)));
     /* P: pairs of keys as dwords (lane n: e_2i[n], e_2i+1[n]), then a 16 x 16 dword transpose */
     const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006, 0x00170007,
                                                  0x00180008, 0x00190009, 0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
@@ -123,10 +105,10 @@ static inline void softmax_rows(const float *st, const int32_t *lp, int rows, in
         __m512 s0 = _mm512_mask_blend_ps(v0, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_i32gather_ps(col, st + n, 4), _mm512_set1_ps(scale)));
         __m512 s1 = _mm512_mask_blend_ps(v1, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_i32gather_ps(col, st + 16 * 16 + n, 4), _mm512_set1_ps(scale)));
         float mt = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), mo = m[n], mn = mo > mt ? mo : mt;
-        float al = mo != mn && mo != -INFINITY ? _mm512_cvtss_f32(vexp_p(_mm512_set1_ps(mo - mn))) : 1.0f;
+        float al = mo != mn && mo != -INFINITY ? _mm512_cvtss_f32(vexp(_mm512_set1_ps(mo - mn))) : 1.0f;
         if (mn != -INFINITY) m[n] = mn;
-        __m512 e0 = _mm512_maskz_mov_ps(v0, vexp_p(_mm512_maskz_sub_ps(v0, s0, _mm512_set1_ps(mn))));
-        __m512 e1 = _mm512_maskz_mov_ps(v1, vexp_p(_mm512_maskz_sub_ps(v1, s1, _mm512_set1_ps(mn))));
+        __m512 e0 = _mm512_maskz_mov_ps(v0, vexp(_mm512_maskz_sub_ps(v0, s0, _mm512_set1_ps(mn))));
+        __m512 e1 = _mm512_maskz_mov_ps(v1, vexp(_mm512_maskz_sub_ps(v1, s1, _mm512_set1_ps(mn))));
         _mm512_storeu_si512(p + AT * n, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         l[n] = l[n] * al + vsum(_mm512_add_ps(e0, e1));
         alpha[n] = al;
