@@ -300,14 +300,17 @@ def _kernels_or_skip():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 24)])
-def test_paged_attention_kernel_matches_sdpa_and_is_row_invariant(dtype, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("bs", [16, 5])
+def test_paged_attention_kernel_matches_sdpa_and_is_row_invariant(dtype, heads, kv_heads, head_dim, bs):
     """The C attention kernel over scattered blocks: ragged contexts (1 token, partial blocks,
     1100), prompt chunks and decode rows in one call, GQA, a head_dim that is no multiple of
-    the vector width. Within float32 (bf16) rounding of SDPA on the gathered context, and each
-    row bit for bit what it is alone."""
+    the vector width, blocks that do not divide the kernels' key tiles. Within float32 (bf16)
+    rounding of SDPA on the gathered context; each row bit for bit what it is alone, and the
+    whole prompt what it is in chunks. bf16 with head_dim % 32 == 0 takes the AMX or
+    AVX512-BF16 path where the CPU has one (``ops.isa``)."""
     ops = _kernels_or_skip()
     torch.manual_seed(0)
-    bs, ctx = 16, [1, 17, 1100, 40]
+    ctx = [1, 17, 1100, 40]
     new = [1, 5, 1, 40]  # decode rows, a chunk after cached tokens, a whole prompt
     num_blocks = sum(-(-n // bs) for n in ctx) + 3
     k = torch.randn(kv_heads, num_blocks * bs, head_dim).to(dtype)
@@ -332,6 +335,11 @@ def test_paged_attention_kernel_matches_sdpa_and_is_row_invariant(dtype, heads, 
         alone = ops.paged_attention(q[t : t + 1], k, v, tables_t, token_seq[t : t + 1], positions[t : t + 1], bs, head_dim**-0.5)
         assert torch.equal(alone.view(heads, head_dim), got[t]), t
     assert torch.equal(ops.paged_attention(q, k, v, tables_t, token_seq, positions, bs, head_dim**-0.5, num_threads=2).view_as(got), got)
+    prompt = torch.nonzero(token_seq == 3).flatten().tolist()  # the 40-token prompt in chunks of 7
+    for c in range(0, len(prompt), 7):
+        rows = prompt[c : c + 7]
+        chunk = ops.paged_attention(q[rows], k, v, tables_t, token_seq[rows], positions[rows], bs, head_dim**-0.5)
+        assert torch.equal(chunk.view(-1, heads, head_dim), got[rows]), c
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

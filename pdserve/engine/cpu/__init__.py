@@ -9,6 +9,8 @@
 - ``amx.h``, ``linear_amx.h``, ``attention_amx.h``: bf16 linear layers and attention on AMX
   tiles (Intel Sapphire Rapids and later), where the compiler targets AMX and Linux grants
   the tile state; ``PDSERVE_NO_AMX=1`` keeps the AVX512-BF16 paths.
+- ``attention_dp.h``: bf16 attention on AVX512-BF16 dot products (``vdpbf16ps``), where there
+  is no AMX (AMD Zen 4 and later).
 
 Each is built with the system C compiler (``cc -O3 -march=native -ffp-contract=off``) into
 ``~/.cache/pdserve/kernels/`` (``$PDSERVE_CACHE/kernels`` where set, as the model cache),

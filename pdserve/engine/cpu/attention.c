@@ -15,6 +15,11 @@
  * block_tables [S, max_blocks] int32; token_seq [T] int32 (row of block_tables);
  * positions [T] int64; out [T, heads, D] contiguous. bf != 0: q, K, V, out are bf16
  * (uint16_t), math in float32, out rounded once.
+ *
+ * bf16 with D % 32 == 0 takes attention_amx.h where AMX is on, else attention_dp.h where the
+ * CPU has AVX512-BF16: the same units and invariance, with bf16 products and probabilities.
+ * Every path asks for the next tile's keys and values ahead (into L2): a head's keys fill a
+ * 4 KiB page every 32 (bf16) or 16 (float32) keys, and hardware prefetchers stop at pages.
  */
 #include <float.h>
 #include <stdlib.h>
@@ -160,6 +165,11 @@ static inline __attribute__((always_inline)) void net8(__m512 *a, __m512 *z) {
         y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
     *z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
 }
+/* The network's last level over the two halves' z, stored as 16 scores in key order. */
+static inline void net_store(float *s, __m512 z0, __m512 z1) {
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); /* lane 4k + i holds key 4i + k */
+    _mm512_storeu_ps(s, _mm512_permutexvar_ps(order, _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x88), _mm512_shuffle_ps(z0, z1, 0xDD))));
+}
 /* tile_scores for three rows at once (three query heads of one token) over a full tile of
  * 16 keys, D % 16 == 0: each key chunk is widened once for the three. Per row and key the
  * same FMAs in the same order and the same lane tree as tile_scores, so the same bits. */
@@ -180,9 +190,7 @@ static void tile_scores3_full(float s[3][KT], const float *q0, const float *q1, 
         }
         net8(a0, &z[half][0]); net8(a1, &z[half][1]); net8(a2, &z[half][2]);
     }
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    for (int r = 0; r < 3; r++)
-        _mm512_storeu_ps(s[r], _mm512_permutexvar_ps(order, _mm512_add_ps(_mm512_shuffle_ps(z[0][r], z[1][r], 0x88), _mm512_shuffle_ps(z[0][r], z[1][r], 0xDD))));
+    for (int r = 0; r < 3; r++) net_store(s[r], z[0][r], z[1][r]);
 }
 #endif
 
@@ -230,6 +238,10 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
             int64_t slot = (int64_t)table[blk] * a->block_size + off;
             kr[j] = kh + slot * D * es, vr[j] = vh + slot * D * es;
             if (++off == a->block_size) blk++, off = 0;
+        }
+        for (int64_t j = j0 + KT, e = last + 1 < j0 + 2 * KT ? last + 1 : j0 + 2 * KT; j < e; j++) { /* the next tile's rows into L2 */
+            int64_t slot = (int64_t)table[j / a->block_size] * a->block_size + j % a->block_size;
+            for (int64_t x = 0; x < D * es; x += 64) _mm_prefetch(kh + slot * D * es + x, _MM_HINT_T1), _mm_prefetch(vh + slot * D * es + x, _MM_HINT_T1);
         }
         for (int64_t j = 0; j < n; j++) widen_row(vt + j * D, vr[j], D, a->bf); /* values widened once for every row */
 #if defined(__AVX512F__)
@@ -342,9 +354,15 @@ static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
 static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) { (void)a, (void)begin, (void)end; return 0; }
 #endif
 
+#if defined(__AVX512BF16__)
+#include "attention_dp.h" /* bf16 on VDPBF16PS dot products */
+#else
+static int attend_range_dp(const attn_args *a, int64_t begin, int64_t end) { (void)a, (void)begin, (void)end; return 0; }
+#endif
+
 static void attend_range(const void *args, int64_t begin, int64_t end) {
     const attn_args *a = (const attn_args *)args;
-    if (attend_range_amx(a, begin, end)) return;
+    if (attend_range_amx(a, begin, end) || attend_range_dp(a, begin, end)) return;
     const int64_t G = a->heads / a->kv_heads, D = a->D, R = QB * G;
     float *work = malloc(sizeof(float) * (size_t)(2 * R * D + 2 * D * KT + 2 * R));
     for (int64_t i = begin; i < end; i++) { /* unit = query block * kv_heads + kv head */

@@ -1,0 +1,239 @@
+/* bf16 paged attention on AVX512-BF16 dot products (VDPBF16PS), included by attention.c
+ * where the compiler targets AVX512-BF16. Every bf16 unit with D % 32 == 0 takes it there,
+ * unless AMX does (attention_amx.h). The unit is attend_unit's: query tokens [t0, t1) of one
+ * sequence, all G query heads of KV head g, rows r = (token, head). Keys go in tiles of
+ * KT = 16 aligned at position 0; per tile and row, with bf16 products summed in float32:
+ *   s_j = scale * (q . k_j)      q and k_j as stored (bf16). Lane i of an accumulator sums
+ *                                the pairs (32c + 2i, 32c + 2i + 1), c = 0, 1, ... in order
+ *                                (one VDPBF16PS each), then the lanes add in vsum()'s tree
+ *   mask to keys <= the row's position; m, l as attend_unit (l sums the float32 e_j)
+ *   acc[d] += p_j v_j[d] + p_j+1 v_j+1[d]   pairs j = 0, 2, ..., 14 in order, p = bf16(e)
+ * FlashAttention's recurrence (Dao et al. 2022, sec. 3.1) with bf16 probabilities, as the
+ * AMX path and GPU kernels take them. Two layouts give the scores the same bits: keys read
+ * in place, 16 key accumulators reduced by attention.c's shuffle network (few rows, as a
+ * decode step), or the tile's key pairs transposed once, kt[pair][key], and 16 pair-class
+ * accumulators per row reduced by the same tree (many rows, as a prompt chunk). Keys and
+ * values past the tile's end read as zeros and get p = 0, which adds +0 to acc; acc is never
+ * -0 (it starts at +0, exact cancellation rounds to +0, and the rescale adds +0), so the sums
+ * a row does past its own last key change no bits. A row's bits therefore
+ * depend on its query, position and context only: the same in a prompt, a chunk of it, a
+ * decode step or any batch.
+ */
+#ifndef PDSERVE_ATTENTION_DP_H
+#define PDSERVE_ATTENTION_DP_H
+
+#define DT 32 /* keys per tile */
+#define PFD 1 /* tiles ahead that dp_prefetch asks for */
+#define PFH _MM_HINT_T1 /* into L2: on the AVX512-BF16 EPYC, T0's few L1 fill buffers stalled (decode at
+                         * batch 32, context 512: 7.7 GB/s with T1 or T2, 5.6 with T0, 5.2 with none) */
+
+static inline __m512 dpbf(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+static inline __m512i bcast_pair(const uint16_t *p) { /* (p[0], p[1]) in every 32-bit lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* s[r][j] = q_r . k_j (unscaled) for three rows and the tile's 16 keys kr[j] (bf16 rows of D,
+ * D % 32 == 0): key accumulators, each key chunk loaded once for the three rows. */
+static void dp_scores3(float s[3][DT], int64_t half16, const uint16_t *q0, const uint16_t *q1, const uint16_t *q2, const char *const *kr, int64_t D) {
+    __m512 z[2][3];
+    for (int half = 0; half < 2; half++) {
+        __m512 a0[8], a1[8], a2[8];
+        for (int j = 0; j < 8; j++) a0[j] = a1[j] = a2[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 32) {
+            __m512i x0 = _mm512_loadu_si512(q0 + c), x1 = _mm512_loadu_si512(q1 + c), x2 = _mm512_loadu_si512(q2 + c);
+            for (int j = 0; j < 8; j++) {
+                __m512i k = _mm512_loadu_si512((const uint16_t *)kr[half * 8 + j] + c);
+                a0[j] = dpbf(a0[j], x0, k), a1[j] = dpbf(a1[j], x1, k), a2[j] = dpbf(a2[j], x2, k);
+            }
+        }
+        net8(a0, &z[half][0]), net8(a1, &z[half][1]), net8(a2, &z[half][2]);
+    }
+    for (int r = 0; r < 3; r++) net_store(s[r] + half16, z[0][r], z[1][r]);
+}
+
+/* The tile's key pairs transposed: kt[p * KT + j] = (k_j[2p], k_j[2p + 1]), p < D / 2 (a
+ * permutation of 32-bit elements, no rounding). */
+static void dp_transpose_keys(uint32_t *kt, const char *const *kr, int64_t D) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m512 r[16];
+        for (int j = 0; j < 16; j++) r[j] = _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)kr[j] + d0));
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)(kt + (d0 / 2 + i) * KT), r[i]);
+    }
+}
+
+/* dp_scores3's sums for one row from the transposed pairs: pair-class accumulators c_i
+ * (pair p = 16c + i), then the same tree over i. */
+static inline void dp_scores_transposed(float *s, const uint16_t *q, const uint32_t *kt, int64_t D) {
+    __m512 c[16];
+    for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16)
+        for (int i = 0; i < 16; i++) c[i] = dpbf(c[i], bcast_pair(q + 2 * (p0 + i)), _mm512_loadu_si512(kt + (p0 + i) * KT));
+    for (int i = 0; i < 8; i++) c[i] = _mm512_add_ps(c[i], c[i + 8]);
+    for (int i = 0; i < 4; i++) c[i] = _mm512_add_ps(c[i], c[i + 4]);
+    for (int i = 0; i < 2; i++) c[i] = _mm512_add_ps(c[i], c[i + 2]);
+    _mm512_storeu_ps(s, _mm512_add_ps(c[0], c[1]));
+}
+
+/* The tile's values in key pairs: vp[jp * D + d] = (v_2jp[d], v_2jp+1[d]), jp < DT / 2. */
+static void dp_pair_values(uint32_t *vp, const char *const *vr, int64_t D) {
+    static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int jp = 0; jp < DT / 2; jp++)
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            __m512i x = _mm512_loadu_si512((const uint16_t *)vr[2 * jp] + d0), y = _mm512_loadu_si512((const uint16_t *)vr[2 * jp + 1] + d0);
+            _mm512_storeu_si512(vp + jp * D + d0, _mm512_permutex2var_epi16(x, lo, y));
+            _mm512_storeu_si512(vp + jp * D + d0 + 16, _mm512_permutex2var_epi16(x, hi, y));
+        }
+}
+
+/* One tile's softmax step and P V for NR rows at once (NR a constant, so that the rows'
+ * independent chains interleave). s[i]: row i's DT unscaled scores; nr[i]: its keys in the
+ * tile (1..DT); m[i], l[i], acc[i]: its running max, sum and [D] accumulator, updated. */
+static inline __attribute__((always_inline)) void dp_rows(const int NR, float *const *s, const int64_t *nr, float *const *m, float *const *l,
+                                                          float *const *acc, const uint32_t *vp, int64_t D, __m512 scale) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    uint16_t pb[3][DT];
+    int np = DT / 4; /* key pairs with a probability for some row */
+    for (int i = 0; i < NR; i++) {
+        const __mmask16 m0 = (__mmask16)(nr[i] >= 16 ? 0xFFFFu : (1u << nr[i]) - 1);
+        const __mmask16 m1 = (__mmask16)(nr[i] >= 32 ? 0xFFFFu : nr[i] > 16 ? (1u << (nr[i] - 16)) - 1 : 0);
+        const __m512 s0 = _mm512_mask_blend_ps(m0, ninf, _mm512_mul_ps(_mm512_loadu_ps(s[i]), scale));
+        const __m512 s1 = _mm512_mask_blend_ps(m1, ninf, _mm512_mul_ps(_mm512_loadu_ps(s[i] + 16), scale));
+        const float mt = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), mo = *m[i], mn = mo > mt ? mo : mt;
+        if (mo != mn && mo != -INFINITY) { /* rescale what came before */
+            const float alpha = expf(mo - mn);
+            *l[i] *= alpha;
+            for (int64_t d = 0; d < D; d += 16) /* + 0: an alpha that underflows makes no -0 */
+                _mm512_storeu_ps(acc[i] + d, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(acc[i] + d), _mm512_set1_ps(alpha)), _mm512_setzero_ps()));
+        }
+        *m[i] = mn;
+        const __m512 mv = _mm512_set1_ps(mn);
+        const __m512 e0 = _mm512_maskz_mov_ps(m0, vexp(_mm512_maskz_sub_ps(m0, s0, mv)));
+        const __m512 e1 = _mm512_maskz_mov_ps(m1, vexp(_mm512_maskz_sub_ps(m1, s1, mv)));
+        *l[i] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+        _mm512_storeu_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        if (nr[i] > 16) np = DT / 2;
+    }
+    /* acc += sum over key pairs of p V, pairs in order (a row's pairs past its keys have p = 0) */
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m512 o[3][4];
+        for (int i = 0; i < NR; i++)
+            for (int k = 0; k < 4; k++) o[i][k] = _mm512_loadu_ps(acc[i] + d + 16 * k);
+        for (int jp = 0; jp < np; jp++) {
+            const uint32_t *v = vp + jp * D + d;
+            const __m512i v0 = _mm512_loadu_si512(v), v1 = _mm512_loadu_si512(v + 16), v2 = _mm512_loadu_si512(v + 32), v3 = _mm512_loadu_si512(v + 48);
+            for (int i = 0; i < NR; i++) {
+                const __m512i p = bcast_pair(pb[i] + 2 * jp);
+                o[i][0] = dpbf(o[i][0], p, v0), o[i][1] = dpbf(o[i][1], p, v1), o[i][2] = dpbf(o[i][2], p, v2), o[i][3] = dpbf(o[i][3], p, v3);
+            }
+        }
+        for (int i = 0; i < NR; i++)
+            for (int k = 0; k < 4; k++) _mm512_storeu_ps(acc[i] + d + 16 * k, o[i][k]);
+    }
+    for (; d < D; d += 16)
+        for (int i = 0; i < NR; i++) {
+            __m512 o = _mm512_loadu_ps(acc[i] + d);
+            for (int jp = 0; jp < np; jp++) o = dpbf(o, bcast_pair(pb[i] + 2 * jp), _mm512_loadu_si512(vp + jp * D + d));
+            _mm512_storeu_ps(acc[i] + d, o);
+        }
+}
+
+/* Asks for keys j..end-1's K and V rows ahead of use. Each 4 KiB page holds 32 keys of one
+ * head, and hardware prefetchers stop at page ends, so without this every tile waits on DRAM. */
+static inline void dp_prefetch(const attn_args *a, const int32_t *table, const char *kh, const char *vh, int64_t j, int64_t end) {
+    const int64_t bs = a->block_size, row = a->D * 2;
+    while (j < end) {
+        int64_t o = j % bs, run = bs - o < end - j ? bs - o : end - j, slot = (int64_t)table[j / bs] * bs + o;
+        for (int64_t x = slot * row; x < (slot + run) * row; x += 64) _mm_prefetch(kh + x, PFH), _mm_prefetch(vh + x, PFH);
+        j += run;
+    }
+}
+
+/* Per-thread work for units of up to R rows of head dim D. */
+static size_t dp_work_bytes(int64_t R, int64_t D) { return sizeof(float) * (size_t)(R * D + 2 * R) + sizeof(uint32_t) * (size_t)(D * DT + DT / 2 * D) + 64; }
+
+static void attend_unit_dp(const attn_args *a, int64_t t0, int64_t t1, int64_t g, char *work) {
+    static const uint16_t zeros[MAX_D] = {0}; /* keys and values past the tile's end */
+    const int64_t G = a->heads / a->kv_heads, D = a->D, R = (t1 - t0) * G;
+    float *acc = (float *)work, *m = acc + R * D, *l = m + R;
+    uint32_t *kt = (uint32_t *)(l + R), *vp = kt + D * DT; /* kt: two halves of [D / 2][16] */
+    const uint16_t *qr[QB * MAX_GROUP];
+    int64_t rowpos[QB * MAX_GROUP];
+    const int32_t *table = a->tables + (int64_t)a->token_seq[t0] * a->max_blocks;
+    const char *kh = (const char *)a->k + g * a->kv_head_stride * 2, *vh = (const char *)a->v + g * a->kv_head_stride * 2;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t h = 0; h < G; h++) {
+            int64_t r = (t - t0) * G + h;
+            qr[r] = (const uint16_t *)a->q + t * a->ldq + (g * G + h) * D;
+            m[r] = -INFINITY, l[r] = 0.0f, rowpos[r] = a->positions[t];
+        }
+    memset(acc, 0, sizeof(float) * (size_t)(R * D));
+    const int64_t last = a->positions[t1 - 1];
+    const int transposed = R >= 8; /* many rows: keys transposed once per tile */
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    for (int64_t j0 = 0; j0 <= last; j0 += DT) {
+        const int64_t n = last + 1 - j0 < DT ? last + 1 - j0 : DT;
+        const char *kr[DT], *vr[DT];
+        for (int64_t j = 0; j < n;) { /* runs of keys in one block */
+            const int64_t o = (j0 + j) % a->block_size, run = a->block_size - o < n - j ? a->block_size - o : n - j;
+            const int64_t slot = (int64_t)table[(j0 + j) / a->block_size] * a->block_size + o;
+            const char *kp = kh + slot * D * 2, *vq = vh + slot * D * 2;
+            for (int64_t x = 0; x < run; x++, j++) kr[j] = kp + x * D * 2, vr[j] = vq + x * D * 2;
+        }
+        for (int64_t j = n; j < DT; j++) kr[j] = vr[j] = (const char *)zeros;
+        dp_prefetch(a, table, kh, vh, j0 + PFD * DT, last + 1 < j0 + (PFD + 1) * DT ? last + 1 : j0 + (PFD + 1) * DT);
+        dp_pair_values(vp, vr, D);
+        if (transposed) dp_transpose_keys(kt, kr, D), dp_transpose_keys(kt + D / 2 * 16, kr + 16, D);
+        float s3[3][DT];
+        for (int64_t r0 = 0; r0 < R; r0 += 3) { /* rows three at a time */
+            const int64_t nrow = R - r0 < 3 ? R - r0 : 3;
+            if (!transposed) {
+                const uint16_t *q1 = qr[nrow > 1 ? r0 + 1 : r0], *q2 = qr[nrow > 2 ? r0 + 2 : r0];
+                dp_scores3(s3, 0, qr[r0], q1, q2, kr, D);
+                if (n > 16) dp_scores3(s3, 16, qr[r0], q1, q2, kr + 16, D);
+            }
+            float *sl[3], *ml[3], *ll[3], *al[3];
+            int64_t nl[3];
+            int live = 0;
+            for (int64_t i = 0; i < nrow; i++) {
+                const int64_t r = r0 + i, nr = rowpos[r] + 1 - j0 < DT ? rowpos[r] + 1 - j0 : DT; /* this row's keys in the tile */
+                if (nr <= 0) continue;
+                if (transposed) {
+                    dp_scores_transposed(s3[i], qr[r], kt, D);
+                    if (nr > 16) dp_scores_transposed(s3[i] + 16, qr[r], kt + D / 2 * 16, D);
+                }
+                sl[live] = s3[i], nl[live] = nr, ml[live] = m + r, ll[live] = l + r, al[live] = acc + r * D, live++;
+            }
+            if (live == 3)
+                dp_rows(3, sl, nl, ml, ll, al, vp, D, scale);
+            else
+                for (int i = 0; i < live; i++) dp_rows(1, sl + i, nl + i, ml + i, ll + i, al + i, vp, D, scale);
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        int64_t t = t0 + r / G, h = r % G;
+        uint16_t *o = (uint16_t *)a->out + (t * a->heads + g * G + h) * D;
+        float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) o[d] = bf16_round(acc[r * D + d] * inv);
+    }
+}
+
+static int attend_range_dp(const attn_args *a, int64_t begin, int64_t end) {
+    if (!a->bf || a->D % 32) return 0;
+    char *work = malloc(dp_work_bytes(QB * (a->heads / a->kv_heads), a->D));
+    if (!work) return 0;
+    for (int64_t i = begin; i < end; i++) {
+        int64_t unit = unit_at(a, i), b = unit / a->kv_heads, g = unit % a->kv_heads;
+        attend_unit_dp(a, a->blocks[b], a->blocks[b + 1], g, work);
+    }
+    free(work);
+    return 1;
+}
+
+#endif
