@@ -33,7 +33,8 @@ from bench.breakdown import linear_bytes, linear_flops, timed_components, weight
 from pdserve.engine.cpu import ops
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sequence import Sequence
-from pdserve.model_loader import load_model, resolve_model_dir
+from pdserve.gguf_weights import read_quantized
+from pdserve.model_loader import gguf_source, load_model, resolve_model_dir
 from pdserve.sampling import SamplingParams
 
 
@@ -154,6 +155,16 @@ def random_model(dtype: str, device: str):
     return model.to(device).eval()
 
 
+def quantized_engine(args, model, config: EngineConfig):
+    """An engine over the GGUF's blocks (engine/quantized.py), or None: a model that is no
+    GGUF, or a dtype or CPU the quantized kernels do not serve with the dense bits."""
+    source = gguf_source(args.model) if not args.model.startswith("random:") else None
+    if source is None or not ops.quantized_ok(getattr(torch, args.dtype)):
+        return None
+    engine = Engine(model, config, frozenset(), 8192, quantized=read_quantized(source, model.config, set(ops.QUANT_TYPES)))
+    return engine if engine.model.quantized["layers"] else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="a model spec (model_loader), or random:smollm2 for random weights of its shape (no files needed)")
@@ -203,6 +214,22 @@ def main() -> None:
         print(f"decode batch {batch:3d}: pdserve {ours * 1e3:7.1f} ms  hf {hf * 1e3:7.1f} ms  roofline {roofline * 1e3:6.1f} ms "
               f"({ours / roofline:.2f}x)  floor {floor * 1e3:6.1f} ms ({ours / floor:.2f}x)", flush=True)
 
+    quantized_decode = []
+    qengine = quantized_engine(args, model, config) if engine.backend.name == "cpu" else None
+    if qengine is not None:  # the same steps on the GGUF's blocks (cluster.yaml weights: quantized), dense beside
+        qbytes = sum(lin.packed.numel() for layer in qengine.model.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        qbytes += qengine.model.lm_head.packed.numel() + sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+        for d in decode:
+            batch = d["batch"]
+            ours = pdserve_decode_step(qengine, batch, args.context, args.repeats)
+            roofline = (qbytes + batch * args.context * bytes_per_token) / hw["mem_read_bytes_per_s"]
+            floor = max(roofline, d["flops"] / peak)
+            quantized_decode.append({"batch": batch, "pdserve_s": ours, "dense_s": d["pdserve_s"], "roofline_s": roofline, "floor_s": floor,
+                                     "weight_bytes": qbytes, "pdserve_over_roofline": ours / roofline, "pdserve_over_floor": ours / floor})
+            print(f"quantized decode batch {batch:3d}: pdserve {ours * 1e3:7.1f} ms  dense {d['pdserve_s'] * 1e3:7.1f} ms  roofline "
+                  f"{roofline * 1e3:6.1f} ms ({ours / roofline:.2f}x)  floor {floor * 1e3:6.1f} ms ({ours / floor:.2f}x)", flush=True)
+        del qengine
+
     prefill = []
     for n in lengths:
         ours = pdserve_prefill(engine, n, args.repeats)
@@ -232,8 +259,15 @@ def main() -> None:
         "prefill_2048_fraction_of_matmul_peak_target": 0.8,
         "prefill_2048_fraction_of_instruction_peak": by_len.get(2048, {}).get("fraction_of_instruction_peak"),
     }
+    by_qbatch = {d["batch"]: d for d in quantized_decode}
+    if quantized_decode:  # issue 19's two, on the GGUF's blocks
+        targets |= {"quantized_decode_b1_over_roofline": by_qbatch.get(1, {}).get("pdserve_over_roofline"),
+                    "quantized_decode_b1_over_roofline_target": 1.5,
+                    "quantized_decode_b32_over_floor": by_qbatch.get(32, {}).get("pdserve_over_floor"),
+                    "quantized_decode_b32_over_floor_target": 1.3}
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "hardware": hw, "backend": engine.backend.name,
-              "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "prefill": prefill, "breakdown": breakdown,
+              "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "quantized_decode": quantized_decode,
+              "prefill": prefill, "breakdown": breakdown,
               "targets": targets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

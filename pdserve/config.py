@@ -108,6 +108,12 @@ class PoolConfig:
     # 10 yields its core at once to a prefill replica that borrows it (num_threads: 2), where
     # at 0 the two time-slice the core and prefill's parallel steps wait on the slower thread
     engine_nice: int = 0
+    # dense | quantized | auto: linear layers over the GGUF's blocks as stored (Q8_0, Q4_0,
+    # Q4_1; the same bits as dense), for a decode step that reads fewer bytes; auto =
+    # quantized in float32 decode and colocated pools, else dense (pdserve.worker
+    # quantized_weights). An HF directory, another block type or a backend without the
+    # kernels stays dense (logged)
+    weights: str = "auto"
     kv_lease_s: float = 30.0  # prefill only: seconds a prompt's KV is held for decode
     # the engine (pdserve/engine): paged KV pool and batching
     block_size: int = 16  # tokens per KV block
@@ -124,6 +130,7 @@ KV_BACKENDS = ("grpc", "shm", "cuda_ipc", "auto")
 ENGINE_BACKENDS = ("auto", "cpu", "torch", "cuda")  # pdserve.engine.backends.CHOICES
 _REPLACED = {key: "model.backend chooses the engine's kernels (auto, cpu, torch or cuda)" for key in ("decode_kernel", "prefill_kernel")}
 FAULT_POLICIES = ("recompute", "fail")
+WEIGHTS = ("auto", "dense", "quantized")  # PoolConfig.weights
 
 
 @dataclass
@@ -277,6 +284,8 @@ class ClusterConfig:
                 raise ConfigError(f"{name}.num_threads must be null (num_cpus) or a positive integer, not {pool.num_threads!r}")
             if not isinstance(pool.engine_nice, int) or isinstance(pool.engine_nice, bool) or not -20 <= pool.engine_nice <= 19:
                 raise ConfigError(f"{name}.engine_nice must be an integer from -20 to 19, not {pool.engine_nice!r}")
+            if pool.weights not in WEIGHTS:
+                raise ConfigError(f"{name}.weights must be one of {', '.join(WEIGHTS)}, not {pool.weights!r}")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
                 raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")
             try:

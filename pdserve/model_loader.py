@@ -78,6 +78,14 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)
 
 
+def gguf_source(spec: str) -> Path | None:
+    """The GGUF file a model spec comes from ("smollm2" or a ``.gguf`` path), or None for a
+    Hugging Face directory."""
+    if spec == BUNDLED_NAME:
+        return bundled_gguf_path()
+    return Path(spec).expanduser().resolve() if spec.endswith(".gguf") else None
+
+
 def resolve_model_dir(spec: str) -> Path:
     """Turn a model spec into a Hugging Face directory, converting a GGUF on first use.
 

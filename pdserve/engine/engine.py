@@ -51,10 +51,12 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int, kv_shm_path: str | None = None,
-                 kv_cuda_ipc: bool = False):
+                 kv_cuda_ipc: bool = False, quantized: dict | None = None):
         """The engine runs where ``model`` is (CPU or a CUDA device). ``kv_shm_path``: put the
         KV pool in this shared-memory file (the shm transfer backend); ``kv_cuda_ipc``: make
-        the (GPU) pool exportable over CUDA IPC (the cuda_ipc backend)."""
+        the (GPU) pool exportable over CUDA IPC (the cuda_ipc backend); ``quantized``: the
+        model's weights in GGUF blocks by parameter name (engine/quantized.py), for linear
+        layers that read them in place where the backend can (the same bits as dense)."""
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -69,7 +71,7 @@ class Engine:
         self.block_manager = BlockManager(num_usable_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
         self.backend = backends.select(config.backend, self.kv_cache, torch.get_num_threads() if device.type == "cpu" else 1)
-        self.model = build_model(model, self.backend, max_model_len)  # raises UnsupportedModelError
+        self.model = build_model(model, self.backend, max_model_len, quantized)  # raises UnsupportedModelError
         if config.optimize and device.type == "cpu":
             keep_freed_memory()
         graphs = None

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.quantized import QuantizedWeight
 
 
 @dataclass
@@ -115,6 +116,19 @@ class Backend(ABC):
     @abstractmethod
     def linear(self, x: torch.Tensor, packed: Any, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [M, K] -> [M, out_features]."""
+
+    def pack_quantized(self, weight: QuantizedWeight) -> Any | None:
+        """A quantized weight in this backend's form, or None (the default) where the backend
+        does not compute with its blocks as they are: the caller keeps the dense weight."""
+        return None
+
+    def dequantize(self, packed: Any, out_features: int, in_features: int) -> torch.Tensor:
+        """The float32 weight [out_features, in_features] a ``pack_quantized`` result computes with."""
+        raise NotImplementedError
+
+    def linear_quantized(self, x: torch.Tensor, packed: Any, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """``linear`` over a ``pack_quantized`` result: the same bits as over its de-quantized weight."""
+        raise NotImplementedError
 
     @abstractmethod
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

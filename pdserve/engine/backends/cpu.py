@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.backends.base import Backend, StepMetadata
+from pdserve.engine.quantized import QuantizedWeight
 from pdserve.engine import cpu
 from pdserve.engine.cpu import ops
 
@@ -42,7 +43,8 @@ class CpuBackend(Backend):
               "norm_post": l.post_norm.weight, "k": self.kv_cache.k[l.index], "v": self.kv_cache.v[l.index]} for l in layers],
             hidden=first.qkv.in_features, heads=first.heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
             intermediate=first.down.in_features, block_size=self.kv_cache.block_size, eps=first.input_norm.eps, scale=first.scale,
-            cos=first.rotary.cos, sin=first.rotary.sin, dtype=first.qkv.packed.dtype, num_threads=self.num_threads)
+            cos=first.rotary.cos, sin=first.rotary.sin, dtype=first.input_norm.weight.dtype, num_threads=self.num_threads,
+            quantized=first.qkv.quantized)
 
         def run(h: torch.Tensor, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
             return decoder(h, meta.positions, meta.slot_mapping, meta.token_seq, meta.block_tables)
@@ -54,6 +56,17 @@ class CpuBackend(Backend):
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         return ops.linear(x, packed, out_features, bias, self.num_threads)
+
+    def pack_quantized(self, weight: QuantizedWeight) -> torch.Tensor | None:
+        if weight.ggml_type not in ops.QUANT_TYPES or weight.in_features % 32 or not ops.quantized_ok(self.kv_cache.spec.dtype):
+            return None
+        return ops.qpack(weight.ggml_type, weight.data, weight.out_features, weight.in_features)
+
+    def dequantize(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        return ops.qdequant(packed, out_features, in_features)
+
+    def linear_quantized(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        return ops.qlinear(x, packed, out_features, bias, self.num_threads)
 
     def add_rmsnorm(self, x, residual, weight, eps):
         if residual is None:

@@ -1,6 +1,7 @@
 """pdserve's CPU kernels in C, compiled on first use and loaded through ctypes.
 
-- ``linear.c``: batch-invariant linear layers, float32 and bf16 (ops.py ``linear``).
+- ``linear.c``: batch-invariant linear layers, float32 and bf16 (ops.py ``linear``), over
+  dense weights or GGUF quantized ones (``linear_q.h``, ops.py ``qlinear``).
 - ``pointwise.c``: fused residual add + RMSNorm, rotary in place, SiLU * mul.
 - ``attention.c``: paged causal attention over the KV pool, prompt chunks and decode alike.
 - ``decoder.c``: a step's decoder layers in one call over the three above (ops.py ``Decoder``).
@@ -47,6 +48,11 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
         "fma_peak_probe": (_f, [_i64, ctypes.c_int]),
         "fma_flops_per_instruction": (_i64, [ctypes.c_int]),
         "linear_isa": (ctypes.c_char_p, [ctypes.c_int]),
+        "qlinear_packed_bytes": (_i64, [_i64, _i64, _i64]),
+        "qlinear_pack": (ctypes.c_int, [_i64, _ptr, _i64, _i64, _ptr]),
+        "qlinear_dequant": (None, [_ptr, _ptr]),
+        "qlinear_f32": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64]),
+        "qlinear_bf16": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64]),
     },
     "pointwise": {
         "add_rmsnorm": (None, [_ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _f, ctypes.c_int]),

@@ -17,6 +17,9 @@
  * dtypes: float32 (x, w, y float32); bf16 (x, w, bias, y bf16; sums in float32, y rounded to
  * nearest even once). Without AVX512-BF16, bf16 weights widen to float32 in registers: half
  * the weight bytes of float32 on AVX2, where torch's own bf16 matmul is a slow loop.
+ *
+ * qlinear_* take a GGUF's quantized blocks instead (linear_q.h): widened to exactly the
+ * de-quantized weights and summed by the same micro-kernels, so the same bits.
  */
 #include "parallel.h"
 #include "simd.h"
@@ -149,6 +152,18 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
 #define CASE(TILE, R) \
     case R: TILE(xp, a->ldx, wp, a->K, bp, yp, a->ldy, ncols, R); break;
 
+/* Every row tile of x against the panel wp (columns n .. n + ncols). */
+#define ROW_TILES(TILE, T)                                                                          \
+    for (int64_t m = 0; m < a->M; m += MR) {                                                        \
+        const T *xp = (const T *)a->x + m * a->ldx;                                                 \
+        T *yp = (T *)a->y + m * a->ldy + n;                                                         \
+        switch (a->M - m < MR ? (int)(a->M - m) : MR) {                                             \
+            CASE(TILE, 1) CASE(TILE, 2) CASE(TILE, 3) CASE(TILE, 4) CASE(TILE, 5)                   \
+            default: TILE(xp, a->ldx, wp, a->K, bp, yp, a->ldy, ncols, MR);                         \
+            break;                                                                                  \
+        }                                                                                           \
+    }
+
 #define RANGE(NAME, TILE, T, PANEL_NUMEL)                                                           \
     static void NAME(const void *args, int64_t p_begin, int64_t p_end) {                            \
         const linear_args *a = (const linear_args *)args;                                           \
@@ -156,27 +171,102 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
             int64_t n = p * NP, ncols = a->N - n < NP ? a->N - n : NP;                              \
             const T *wp = (const T *)a->w + p * (PANEL_NUMEL);                                      \
             const T *bp = a->bias ? (const T *)a->bias + n : 0;                                     \
-            for (int64_t m = 0; m < a->M; m += MR) {                                                \
-                const T *xp = (const T *)a->x + m * a->ldx;                                         \
-                T *yp = (T *)a->y + m * a->ldy + n;                                                 \
-                switch (a->M - m < MR ? (int)(a->M - m) : MR) {                                     \
-                    CASE(TILE, 1) CASE(TILE, 2) CASE(TILE, 3) CASE(TILE, 4) CASE(TILE, 5)           \
-                    default: TILE(xp, a->ldx, wp, a->K, bp, yp, a->ldy, ncols, MR);                 \
-                    break;                                                                          \
-                }                                                                                   \
-            }                                                                                       \
+            ROW_TILES(TILE, T)                                                                      \
         }                                                                                           \
     }
 
 RANGE(range_f32, tile_f32, float, a->K * NP)
 RANGE(range_bf16, tile_bf16, uint16_t, 2 * ((a->K + 1) / 2) * NP)
 
+#include "linear_q.h" /* GGUF quantized weights, widened a panel at a time into the tiles above */
+
+typedef struct {
+    const void *x, *bias;
+    const uint8_t *wq;
+    void *y;
+    int64_t M, K, N, ldx, ldy;
+} qlinear_args;
+
+/* Up to MR rows: q_tile straight from the blocks (where AVX-512 has it); returns 0 otherwise. */
+static int q_fused(const qlinear_args *a, int64_t p_begin, int64_t p_end, int bf) {
+#if (defined(__AVX512F__) && VL == 16) || defined(Q_TILE_AVX2)
+    if (a->M > MR) return 0;
+    const int64_t es = bf ? 2 : 4;
+    for (int64_t p = p_begin; p < p_end; p++) {
+        int64_t n = p * NP, ncols = a->N - n < NP ? a->N - n : NP;
+        const char *bp = a->bias ? (const char *)a->bias + n * es : 0;
+        char *yp = (char *)a->y + n * es;
+        switch ((int)a->M) {
+        case 1: q_tile(a->wq, n, a->x, a->ldx, bp, yp, a->ldy, ncols, bf, 1); break;
+        case 2: q_tile(a->wq, n, a->x, a->ldx, bp, yp, a->ldy, ncols, bf, 2); break;
+        case 3: q_tile(a->wq, n, a->x, a->ldx, bp, yp, a->ldy, ncols, bf, 3); break;
+        case 4: q_tile(a->wq, n, a->x, a->ldx, bp, yp, a->ldy, ncols, bf, 4); break;
+        case 5: q_tile(a->wq, n, a->x, a->ldx, bp, yp, a->ldy, ncols, bf, 5); break;
+        default: q_tile(a->wq, n, a->x, a->ldx, bp, yp, a->ldy, ncols, bf, MR); break;
+        }
+    }
+    return 1;
+#else
+    (void)a, (void)p_begin, (void)p_end, (void)bf;
+    return 0;
+#endif
+}
+
+#define QRANGE(NAME, TILE, T, BF)                                                                   \
+    static void NAME(const void *args, int64_t p_begin, int64_t p_end) {                            \
+        const qlinear_args *a = (const qlinear_args *)args;                                         \
+        if (q_fused(a, p_begin, p_end, BF)) return;                                                 \
+        T *wp = (T *)q_scratch(sizeof(T) * (size_t)(2 * ((a->K + 1) / 2) * NP));                   \
+        if (!wp) abort(); /* a few hundred KB: out of memory */                                     \
+        for (int64_t p = p_begin; p < p_end; p++) {                                                 \
+            int64_t n = p * NP, ncols = a->N - n < NP ? a->N - n : NP;                              \
+            const T *bp = a->bias ? (const T *)a->bias + n : 0;                                     \
+            q_panel(a->wq, n, BF, wp);                                                              \
+            ROW_TILES(TILE, T)                                                                      \
+        }                                                                                           \
+    }
+
+QRANGE(qrange_f32, tile_f32, float, 0)
+QRANGE(qrange_bf16, tile_bf16, uint16_t, 1)
+
+/* out: [N, K] float32, the weights qlinear_f32 computes with (a panel at a time, as it does). */
+void qlinear_dequant(const uint8_t *wq, float *out) {
+    const int64_t *h = (const int64_t *)wq, N = h[1], K = h[2];
+    float *panel = q_scratch(sizeof(float) * (size_t)(K * NP));
+    if (!panel) abort();
+    for (int64_t n0 = 0; n0 < N; n0 += NP) {
+        q_panel(wq, n0, 0, panel);
+        for (int64_t j = 0; j < NP && n0 + j < N; j++)
+            for (int64_t k = 0; k < K; k++) out[(n0 + j) * K + k] = panel[k * NP + j];
+    }
+}
+
+/* The call's panels over threads (one thread below 2^18 multiply-adds); a: a linear_args or
+ * qlinear_args, whose M, K, N sit at the same place in both. */
+#define split_panels(fn, a, nthreads)                                                                  \
+    parallel_ranges(fn, a, ((a)->N + NP - 1) / NP, 1, (a)->M * (a)->N * (a)->K < (1 << 18) ? 1 : (nthreads))
+
+/* linear_f32 / linear_bf16 over a qlinear_pack'd weight wq ([N, K], N and K in its header):
+ * the same bits as those over the de-quantized weight, except bf16 where AMX is on (the
+ * dense path runs on tiles there; callers keep dense weights, ops.py ``quantized_ok``). */
+void qlinear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wq, int64_t N, const float *bias, float *y,
+                int64_t ldy, int64_t nthreads) {
+    qlinear_args a = {x, bias, wq, y, M, K, N, ldx, ldy};
+    split_panels(qrange_f32, &a, nthreads);
+}
+
+void qlinear_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wq, int64_t N, const uint16_t *bias,
+                 uint16_t *y, int64_t ldy, int64_t nthreads) {
+    qlinear_args a = {x, bias, wq, y, M, K, N, ldx, ldy};
+    split_panels(qrange_bf16, &a, nthreads);
+}
+
 /* x: [M, K] (row stride ldx elements); wp: packed [N, K] (linear_pack_*); bias: [N] or NULL;
  * y: [M, N] (row stride ldy). nthreads >= 1 split the panels. */
 void linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp, int64_t N, const float *bias, float *y,
                 int64_t ldy, int64_t nthreads) {
     linear_args a = {x, wp, bias, y, M, K, N, ldx, ldy};
-    parallel_ranges(range_f32, &a, (N + NP - 1) / NP, 1, M * N * K < (1 << 18) ? 1 : nthreads);
+    split_panels(range_f32, &a, nthreads);
 }
 
 void linear_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N, const uint16_t *bias,
@@ -188,7 +278,7 @@ void linear_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uin
     }
 #endif
     linear_args a = {x, wp, bias, y, M, K, N, ldx, ldy};
-    parallel_ranges(range_bf16, &a, (N + NP - 1) / NP, 1, M * N * K < (1 << 18) ? 1 : nthreads);
+    split_panels(range_bf16, &a, nthreads);
 }
 
 /* The path the kernels take for a dtype (bf != 0: bf16): "amx_bf16" for bf16 where AMX is

@@ -93,6 +93,51 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml_type -> name: the GGUF block types ``qpack`` takes
+
+
+def quantized_ok(dtype: torch.dtype) -> bool:
+    """Whether ``qlinear`` gives the dense ``linear``'s bits in ``dtype`` here: the linear
+    kernel built, and bf16 is not on AMX tiles (whose dense path packs for the tiles)."""
+    return available("linear") and not (dtype == torch.bfloat16 and isa(dtype) == "amx_bf16")
+
+
+def qpack(ggml_type: int, data: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """data: [out_features, row bytes] uint8, a GGUF tensor's blocks as stored (rows of
+    in_features / 32 blocks). Returns the packed form for ``qlinear`` (uint8, linear_q.h).
+    Raises ValueError for a type not in QUANT_TYPES or in_features % 32 != 0."""
+    lib = _lib("linear")
+    size = lib.qlinear_packed_bytes(ggml_type, out_features, in_features)
+    if size < 0:
+        raise ValueError(f"qlinear takes GGUF types {sorted(QUANT_TYPES.values())} with in_features % 32 == 0, "
+                         f"not type {ggml_type} [{out_features}, {in_features}]")
+    data = data.contiguous()
+    out = torch.empty(size, dtype=torch.uint8)
+    lib.qlinear_pack(ggml_type, data.data_ptr(), out_features, in_features, out.data_ptr())
+    return out
+
+
+def qdequant(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The float32 weights [out_features, in_features] of a ``qpack`` result (gguf-py's rule)."""
+    out = torch.empty((out_features, in_features), dtype=torch.float32)
+    _lib("linear").qlinear_dequant(packed.data_ptr(), out.data_ptr())
+    return out
+
+
+def qlinear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None, num_threads: int = 1) -> torch.Tensor:
+    """``linear`` over a ``qpack`` result: x [M, K] float32 or bf16 -> [M, out_features], the
+    same bits as ``linear`` over the de-quantized weight in x's dtype (bf16: rounded to
+    nearest even), where ``quantized_ok``."""
+    M, K = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty((M, out_features), dtype=x.dtype)
+    fn = _lib("linear").qlinear_bf16 if _bf(x) else _lib("linear").qlinear_f32
+    fn(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), out_features, bias.data_ptr() if bias is not None else None,
+       y.data_ptr(), out_features, num_threads)
+    return y
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, token_seq: torch.Tensor,
                     positions: torch.Tensor, block_size: int, scale: float, num_threads: int = 1, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,12 +187,13 @@ class Decoder:
     layers: per layer a dict of the tensors decoder.c's ``weights`` lists (``w_qkv``,
     ``b_qkv``, ``w_o``, ``b_o``, ``w_gu``, ``b_gu``, ``w_down``, ``b_down``: packed weights
     and biases or None; ``norm_in``, ``norm_post``: [H]; ``k``, ``v``: the layer's pool
-    [kv_heads, slots, D]); the sizes as named. The tensors must outlive the Decoder."""
+    [kv_heads, slots, D]); the sizes as named; quantized: the four weights are ``qpack``
+    results (all or none). The tensors must outlive the Decoder."""
 
     _ORDER = ("w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu", "w_down", "b_down", "norm_in", "norm_post", "k", "v")
 
     def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, block_size: int,
-                 eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, num_threads: int):
+                 eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, num_threads: int, quantized: bool = False):
         self._keep = (layers, cos, sin)
         ptrs = [t.data_ptr() if t is not None else None for layer in layers for t in (layer[n] for n in self._ORDER)]
         self._weights = (ctypes.c_void_p * len(ptrs))(*ptrs)
@@ -155,7 +201,7 @@ class Decoder:
         self._model = _DecoderModel(
             len(layers), hidden, heads, kv_heads, head_dim, intermediate, layers[0]["k"].stride(0), block_size, _bf(layers[0]["norm_in"]),
             num_threads, eps, scale, ctypes.cast(self._weights, ctypes.POINTER(ctypes.c_void_p)), cos.data_ptr(), sin.data_ptr(),
-            fn("linear", "linear_bf16" if dtype == torch.bfloat16 else "linear_f32"), fn("pointwise", "add_rmsnorm"),
+            fn("linear", ("qlinear_" if quantized else "linear_") + ("bf16" if dtype == torch.bfloat16 else "f32")), fn("pointwise", "add_rmsnorm"),
             fn("pointwise", "rope_inplace"), fn("pointwise", "silu_mul"), fn("attention", "paged_attention"))
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, token_seq: torch.Tensor,

@@ -32,7 +32,8 @@ def check_supported(config, model: torch.nn.Module | None = None) -> None:
         raise UnsupportedModelError(f"{arch} with hidden_act={config.hidden_act!r}: pdserve's engine implements silu")
 
 
-def build_model(hf_model: torch.nn.Module, backend: Backend, max_positions: int):
-    """pdserve's model over ``backend``, with ``hf_model``'s weights. Raises UnsupportedModelError."""
+def build_model(hf_model: torch.nn.Module, backend: Backend, max_positions: int, quantized: dict | None = None):
+    """pdserve's model over ``backend``, with ``hf_model``'s weights (and ``quantized``: the
+    same in GGUF blocks by parameter name, engine/quantized.py). Raises UnsupportedModelError."""
     check_supported(hf_model.config, hf_model)
-    return MODELS[architecture(hf_model.config, hf_model)](hf_model, backend, max_positions)
+    return MODELS[architecture(hf_model.config, hf_model)](hf_model, backend, max_positions, quantized)

@@ -20,12 +20,17 @@ QKV projection, Llama may (``attention_bias``, ``mlp_bias``); both tie or untie 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine.backends.base import Backend, StepMetadata
 from pdserve.engine.layers import Linear, RMSNorm, Rotary
 from pdserve.engine.layers.rotary import rotary_tables
+from pdserve.engine.quantized import QuantizedWeight
+
+log = logging.getLogger(__name__)
 
 
 def _cat(params: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
@@ -36,19 +41,23 @@ def _cat(params: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | No
 
 
 class DecoderLayer:
-    def __init__(self, backend: Backend, params: dict[str, torch.Tensor], prefix: str, index: int, cfg, rotary: Rotary):
+    def __init__(self, backend: Backend, params: dict[str, torch.Tensor], prefix: str, index: int, cfg, rotary: Rotary,
+                 quantized: dict[str, QuantizedWeight]):
         self.backend, self.index, self.rotary = backend, index, rotary
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         eps = cfg.rms_norm_eps
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        qkv = [attn + p for p in ("q_proj", "k_proj", "v_proj")]
-        self.qkv = Linear(backend, _cat(params, [n + ".weight" for n in qkv]), _cat(params, [n + ".bias" for n in qkv]))
-        self.o_proj = Linear(backend, params[attn + "o_proj.weight"], params.get(attn + "o_proj.bias"))
-        gate_up = [mlp + "gate_proj", mlp + "up_proj"]
-        self.gate_up = Linear(backend, _cat(params, [n + ".weight" for n in gate_up]), _cat(params, [n + ".bias" for n in gate_up]))
-        self.down = Linear(backend, params[mlp + "down_proj.weight"], params.get(mlp + "down_proj.bias"))
+        def linear(names: list[str]) -> Linear:  # one projection, or several fused along out_features
+            w = [n + ".weight" for n in names]
+            q = QuantizedWeight.cat([quantized.get(n) for n in w]) if quantized else None
+            return Linear(backend, _cat(params, w), _cat(params, [n + ".bias" for n in names]), q, "+".join(w))
+
+        self.qkv = linear([attn + p for p in ("q_proj", "k_proj", "v_proj")])
+        self.o_proj = linear([attn + "o_proj"])
+        self.gate_up = linear([mlp + "gate_proj", mlp + "up_proj"])
+        self.down = linear([mlp + "down_proj"])
         self.input_norm = RMSNorm(backend, params[prefix + "input_layernorm.weight"], eps)
         self.post_norm = RMSNorm(backend, params[prefix + "post_attention_layernorm.weight"], eps)
 
@@ -69,9 +78,12 @@ class DecoderLayer:
 class LlamaForCausalLM:
     """pdserve's model for ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints."""
 
-    def __init__(self, hf_model: torch.nn.Module, backend: Backend, max_positions: int):
+    def __init__(self, hf_model: torch.nn.Module, backend: Backend, max_positions: int, quantized: dict[str, QuantizedWeight] | None = None):
         """hf_model: the loaded transformers model (weights, config, rotary table);
-        max_positions: the longest sequence the engine serves (the rotary table's length)."""
+        max_positions: the longest sequence the engine serves (the rotary table's length);
+        quantized: the same weights in GGUF blocks by HF parameter name, for the linear
+        layers to read in place where the backend takes them (all decoder layers' or none,
+        as one fused call runs them; the LM head on its own)."""
         cfg = hf_model.config
         self.config, self.backend = cfg, backend
         self.dtype = hf_model.dtype
@@ -81,9 +93,16 @@ class LlamaForCausalLM:
         cos, sin = rotary_tables(hf_inner.rotary_emb, max(max_positions, 1), self.device)
         rotary = Rotary(backend, cos, sin)
         self.embed = params["model.embed_tokens.weight"].detach()
-        self.layers = [DecoderLayer(backend, params, f"model.layers.{i}.", i, cfg, rotary) for i in range(cfg.num_hidden_layers)]
+        quantized = quantized or {}
+        self.layers = [DecoderLayer(backend, params, f"model.layers.{i}.", i, cfg, rotary, quantized) for i in range(cfg.num_hidden_layers)]
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        if 0 < sum(lin.quantized for lin in linears) < len(linears):
+            log.warning("quantized weights for %d of %d decoder linear layers: all dense", sum(lin.quantized for lin in linears), len(linears))
+            for lin in linears:
+                lin.to_dense()
         self.norm = RMSNorm(backend, params["model.norm.weight"], cfg.rms_norm_eps)
-        self.lm_head = Linear(backend, params.get("lm_head.weight", self.embed))
+        self.lm_head = Linear(backend, params.get("lm_head.weight", self.embed), quantized=quantized.get("lm_head.weight"), name="lm_head.weight")
+        self.quantized = {"layers": linears[0].quantized if linears else False, "lm_head": self.lm_head.quantized}
         self.fused = backend.fuse_layers(self.layers)  # all layers in one backend call, or None
 
     @torch.inference_mode()

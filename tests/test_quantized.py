@@ -1,0 +1,199 @@
+"""Linear layers over the GGUF's blocks as stored (cpu/linear_q.h, cluster.yaml ``weights``).
+
+The kernels widen the blocks into exactly the weights gguf-py and transformers de-quantize
+to, so a quantized layer is the dense layer's bits: checked per block type against gguf's
+own de-quantization on the bundled file's tensors, per kernel against the dense kernel in
+float32 and bf16, and end to end on the bundled model (HF ``generate`` in float32, a
+needle's logprobs alone, in a batch and chunked, dense or quantized).
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import reference_generate
+from pdserve.config import ClusterConfig, ConfigError
+from pdserve.engine.cpu import ops
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.quantized import QuantizedWeight
+from pdserve.engine.sequence import Sequence
+from pdserve.model_loader import bundled_gguf_path, load_model, load_tokenizer
+from pdserve.sampling import SamplingParams
+from pdserve.worker import eos_token_ids, quantized_weights
+from test_engine import assert_all_blocks_free, generate_all, run_to_completion
+
+gguf = pytest.importorskip("gguf")
+
+
+def _kernels_or_skip():
+    if not ops.available("linear"):
+        pytest.skip("no C compiler here: the engine runs the torch backend")
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors():
+    reader = gguf.GGUFReader(str(bundled_gguf_path()))
+    return {t.name: t for t in reader.tensors}
+
+
+def _q4_0_tensor(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_0 blocks [n, k / 32 * 18] (the bundled file has none): d float16, 16 bytes of nibbles."""
+    rng = np.random.default_rng(seed)
+    blocks = np.zeros((n, k // 32, 18), dtype=np.uint8)
+    blocks[:, :, :2] = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16)[..., None].view(np.uint8)
+    blocks[:, :, 2:] = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def _cases(tensors):
+    for name in ("blk.0.attn_q.weight", "blk.5.ffn_down.weight", "blk.2.attn_v.weight", "token_embd.weight"):
+        t = tensors[name]
+        yield name, int(t.tensor_type), np.ascontiguousarray(t.data), int(t.shape[1]), int(t.shape[0])
+    yield "random Q4_0", int(gguf.GGMLQuantizationType.Q4_0), _q4_0_tensor(100, 96), 100, 96
+
+
+def test_blocks_widen_to_ggufs_own_values_and_the_kernel_is_the_dense_kernels_bits(gguf_tensors):
+    """Per block type (Q4_1 and Q8_0 from the bundled file, Q4_0 random, one with N not a
+    multiple of the panel): de-quantized values bit for bit as ``gguf.quants.dequantize``,
+    and ``qlinear`` bit for bit as ``linear`` over those values, float32 and bf16, any rows
+    (1 to 64), 1 or 2 threads, with a bias."""
+    _kernels_or_skip()
+    torch.manual_seed(0)
+    for name, kind, data, n, k in _cases(gguf_tensors):
+        want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(kind)).reshape(n, k).astype(np.float32)
+        packed = ops.qpack(kind, torch.from_numpy(data), n, k)
+        assert torch.equal(ops.qdequant(packed, n, k).view(torch.int32), torch.from_numpy(want).view(torch.int32)), name
+        for dtype in (torch.float32, torch.bfloat16):
+            dense = ops.pack(torch.from_numpy(want).to(dtype))
+            bias = torch.randn(n).to(dtype)
+            for m in (1, 5, 6, 7, 64):
+                x = torch.randn(m, k).to(dtype)
+                got = ops.qlinear(x, packed, n, bias, num_threads=2)
+                assert torch.equal(got, ops.linear(x, dense, n, bias)), (name, dtype, m)
+                assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                   ops.linear(x, dense, n, bias).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def test_unsupported_shapes_and_types_are_refused_by_name():
+    _kernels_or_skip()
+    with pytest.raises(ValueError, match="Q4_0"):
+        ops.qpack(12, torch.zeros(4, 144, dtype=torch.uint8), 4, 256)  # Q4_K
+    with pytest.raises(ValueError, match="in_features % 32"):
+        ops.qpack(8, torch.zeros(4, 34, dtype=torch.uint8), 4, 33)
+
+
+@pytest.fixture(scope="module")
+def quantized_f32(real_model_dir):
+    torch.set_num_threads(1)
+    model = load_model(real_model_dir, "float32")
+    cfg = ClusterConfig.from_dict({"model": {"path": "smollm2"}})
+    return model, quantized_weights(cfg, "decode", model.config, "float32")
+
+
+def engine_for(model, quantized, **config):
+    tokenizer = load_tokenizer(model.name_or_path)
+    return Engine(model, EngineConfig(**config), eos_token_ids(model, tokenizer), 4096, quantized=quantized)
+
+
+def test_every_linear_layer_of_the_bundled_model_runs_on_its_blocks(quantized_f32):
+    """All 30 layers' QKV, O, gate-up and down, and the tied LM head (Q8_0): the Q and K
+    rows un-permuted as transformers does, each layer's blocks checked against its weight."""
+    _kernels_or_skip()
+    model, quantized = quantized_f32
+    assert len(quantized) == 30 * 7 + 2 and quantized["lm_head.weight"] is quantized["model.embed_tokens.weight"]
+    engine = engine_for(model, quantized, num_blocks=64)
+    assert engine.model.quantized == {"layers": True, "lm_head": True}
+    assert all(layer.qkv.quantized and layer.down.quantized for layer in engine.model.layers)
+
+
+def test_quantized_float32_equals_generate_batched_chunked_and_preempted(quantized_f32, real_model_dir):
+    """The float32 equality rule on the quantized engine: 6 mixed prompts decoded together on
+    a pool small enough to preempt, prefilled in chunks of 48, against HF ``generate``."""
+    _kernels_or_skip()
+    model, quantized = quantized_f32
+    ids = load_tokenizer(real_model_dir)("Rivers shape the land they cross and carry silt to the sea. " * 40).input_ids
+    prompts = [ids[i * 30 : i * 30 + n] for i, n in enumerate([90, 61, 120, 75, 100, 17])]
+    engine = engine_for(model, quantized, num_blocks=28, chunk_size=48, max_num_batched_tokens=96)
+    seqs = generate_all(engine, prompts, 24)
+    assert engine.scheduler.num_preemptions > 0
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.token_ids[len(prompt):] == reference_generate(model, prompt, 24, ignore_eos=True)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_needle_is_the_same_bits_dense_or_quantized_alone_batched_or_chunked(real_model_dir, dtype):
+    """Batch invariance with quantized weights, and quantized == dense: a needle's 12
+    logprobs (with the top 5) alone on a dense engine, and alone, in a batch of 12 and
+    chunked on quantized ones, compared with ``==``."""
+    _kernels_or_skip()
+    model = load_model(real_model_dir, dtype)
+    quantized = quantized_weights(ClusterConfig.from_dict({"model": {"path": "smollm2"}, "decode": {"weights": "quantized"}}), "decode",
+                                  model.config, dtype)
+    ids = load_tokenizer(real_model_dir)("A river cuts valleys, carries silt to the sea and builds deltas. " * 30).input_ids
+    needle = ids[100:230]
+    others = [ids[i * 7 : i * 7 + 5 + 9 * i] for i in range(11)]
+
+    def needle_out(engine, neighbours):
+        seqs = [Sequence(f"r{i}", list(x), len(x), SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5))
+                for i, x in enumerate(neighbours[:4] + [needle] + neighbours[4:])]
+        for seq in seqs:
+            engine.add(seq)
+        run_to_completion(engine)
+        assert_all_blocks_free(engine)
+        return [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in seqs[min(4, len(neighbours))].logprobs]
+
+    want = needle_out(engine_for(model, None, num_blocks=256), [])
+    assert needle_out(engine_for(model, quantized, num_blocks=256), []) == want
+    assert needle_out(engine_for(model, quantized, num_blocks=256), others) == want
+    assert needle_out(engine_for(model, quantized, num_blocks=256, chunk_size=40, max_num_batched_tokens=64), others[:3]) == want
+
+
+def test_blocks_that_do_not_match_the_weights_fall_back_to_dense_with_a_warning(quantized_f32, caplog):
+    """A layer whose blocks de-quantize to other values (here: another layer's) keeps its
+    dense weight; as one fused call runs all layers, they all go dense, and the log says so."""
+    _kernels_or_skip()
+    model, quantized = quantized_f32
+    wrong = dict(quantized)
+    wrong["model.layers.3.mlp.down_proj.weight"] = quantized["model.layers.4.mlp.down_proj.weight"]
+    with caplog.at_level(logging.WARNING):
+        engine = engine_for(model, wrong, num_blocks=64)
+    assert "model.layers.3.mlp.down_proj.weight" in caplog.text and "all dense" in caplog.text
+    assert engine.model.quantized == {"layers": False, "lm_head": True}
+
+
+def test_weights_key_chooses_per_pool(real_model_dir):
+    """auto: quantized in float32 decode and colocated pools, dense in prefill pools and in
+    bf16; ``quantized`` and ``dense`` as said; an HF directory stays dense; a bad value is
+    refused by name."""
+    model = load_model(real_model_dir, "float32")
+    auto = ClusterConfig.from_dict({"model": {"path": "smollm2"}})
+    assert quantized_weights(auto, "prefill", model.config, "float32") is None
+    assert isinstance(quantized_weights(auto, "decode", model.config, "float32")["model.layers.0.self_attn.q_proj.weight"], QuantizedWeight)
+    assert quantized_weights(auto, "colocated", model.config, "float32") is not None
+    assert quantized_weights(auto, "decode", model.config, "bfloat16") is None
+    forced = ClusterConfig.from_dict({"model": {"path": "smollm2"}, "prefill": {"weights": "quantized"}, "decode": {"weights": "dense"}})
+    assert quantized_weights(forced, "prefill", model.config, "bfloat16") is not None
+    assert quantized_weights(forced, "decode", model.config, "float32") is None
+    hf_dir = ClusterConfig.from_dict({"model": {"path": str(real_model_dir)}})
+    assert quantized_weights(hf_dir, "decode", model.config, "float32") is None
+    with pytest.raises(ConfigError, match="decode.weights must be one of auto, dense, quantized"):
+        ClusterConfig.from_dict({"decode": {"weights": "int4"}})
+
+
+def test_a_dense_prefill_pool_and_a_quantized_decode_pool_share_a_kv_fingerprint():
+    """The fingerprint hashes the de-quantized model both pools load, so their KV is
+    exchanged (a different model's is refused by its weights hash: test_kv_transfer.py)."""
+    from pdserve.worker import build_engine
+
+    _kernels_or_skip()
+    pool = {"num_threads": 1, "kv_cache_tokens": 1024}
+    cfg = ClusterConfig.from_dict({"model": {"path": "smollm2", "max_model_len": 1024, "dtype": "float32"}, "prefill": pool,
+                                   "decode": pool, "kv_transfer": {"backend": "grpc"}})
+    prefill, fp_prefill = build_engine(cfg, "prefill")
+    decode, fp_decode = build_engine(cfg, "decode")
+    assert prefill.model.quantized == {"layers": False, "lm_head": False}
+    assert decode.model.quantized == {"layers": True, "lm_head": True}
+    assert fp_prefill == fp_decode
