@@ -112,7 +112,9 @@ def test_beyond_max_in_flight_requests_get_resource_exhausted_with_a_retry_hint(
     def one(i: int):
         with client() as c:
             try:
-                c.generate(prompt_token_ids=[i + 3, *PROMPT], max_tokens=48, ignore_eos=True, timeout_s=120)
+                # long enough that the admitted ones still run when the HTTP request below comes
+                # (48 tokens finished inside its 1 s wait on a fast decode step)
+                c.generate(prompt_token_ids=[i + 3, *PROMPT], max_tokens=256, ignore_eos=True, timeout_s=120)
                 outcomes.append("ok")
             except grpc.RpcError as e:
                 outcomes.append(e.code().name)
