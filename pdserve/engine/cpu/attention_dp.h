@@ -23,9 +23,6 @@
 #define PDSERVE_ATTENTION_DP_H
 
 #define DT 32 /* keys per tile */
-#ifndef PFD
-#define PFD 1 /* tiles ahead that dp_prefetch asks for */
-#endif
 #define PFH _MM_HINT_T1 /* into L2: on the AVX512-BF16 EPYC, T0's few L1 fill buffers stalled (decode at
                          * batch 32, context 512: 7.7 GB/s with T1 or T2, 5.6 with T0, 5.2 with none) */
 
@@ -189,8 +186,7 @@ static void attend_unit_dp(const attn_args *a, int64_t t0, int64_t t1, int64_t g
             for (int64_t x = 0; x < run; x++, j++) kr[j] = kp + x * D * 2, vr[j] = vq + x * D * 2;
         }
         for (int64_t j = n; j < DT; j++) kr[j] = vr[j] = (const char *)zeros;
-        if (j0 == 0) dp_prefetch(a, table, kh, vh, DT, last + 1 < PFD * DT ? last + 1 : PFD * DT); /* tiles 1 .. PFD - 1 */
-        dp_prefetch(a, table, kh, vh, j0 + PFD * DT, last + 1 < j0 + (PFD + 1) * DT ? last + 1 : j0 + (PFD + 1) * DT);
+        dp_prefetch(a, table, kh, vh, j0 + DT, last + 1 < j0 + 2 * DT ? last + 1 : j0 + 2 * DT); /* the next tile (2 or 4 ahead: no better) */
         dp_pair_values(vp, vr, D);
         if (transposed) dp_transpose_keys(kt, kr, D), dp_transpose_keys(kt + D / 2 * 16, kr + 16, D);
         float s3[3][DT];

@@ -103,10 +103,11 @@ static inline void q_weights_scalar(const uint8_t *wq, int64_t g, int64_t k, flo
 }
 
 #if defined(__AVX512F__)
-/* The 16 weights of a group at k = 2i and 2i + 1 (Q4_*) or at k (Q8_0, into w0), float32. */
+/* The 16 weights of a group at block offsets kk and kk + 1 (kk even), float32. */
 static inline void q_weights16(int64_t type, const uint8_t *qo, int64_t kk, __m512 d, __m512 m, __m512 *w0, __m512 *w1) {
     if (type == Q8_0) {
         *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qo + kk * QG)))));
+        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qo + (kk + 1) * QG)))));
         return;
     }
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qo + kk / 2 * QG)));
@@ -218,8 +219,7 @@ static void q_panel(const uint8_t *wq, int64_t n0, int bf, void *panel) {
             const __m512 m = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32))) : _mm512_setzero_ps();
             for (int64_t kk = 0; kk < 32; kk += 2) {
                 __m512 a, b2;
-                if (type == Q8_0) q_weights16(type, qo, kk, d, m, &a, &b2), q_weights16(type, qo, kk + 1, d, m, &b2, &b2);
-                else q_weights16(type, qo, kk, d, m, &a, &b2);
+                q_weights16(type, qo, kk, d, m, &a, &b2);
                 _mm512_storeu_ps(w0, a), _mm512_storeu_ps(w1, b2);
                 q_store(panel, b * 32 + kk, c, w0, w1, bf);
             }
@@ -269,10 +269,7 @@ static inline __attribute__((always_inline)) void q_tile(const uint8_t *wq, int6
         for (int64_t kk = 0; kk < 32; kk += 2) {
             const int64_t k = b * 32 + kk;
             __m512 w0[G], w1[G];
-            for (int c = 0; c < ng; c++) {
-                if (type == Q8_0) q_weights16(type, qo[c], kk, d[c], m[c], &w0[c], &w1[c]), q_weights16(type, qo[c], kk + 1, d[c], m[c], &w1[c], &w1[c]);
-                else q_weights16(type, qo[c], kk, d[c], m[c], &w0[c], &w1[c]);
-            }
+            for (int c = 0; c < ng; c++) q_weights16(type, qo[c], kk, d[c], m[c], &w0[c], &w1[c]);
             if (!bf) {
                 for (int r = 0; r < R; r++) {
                     const float *xr = (const float *)x + r * ldx + k;
