@@ -20,7 +20,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.errors import CapacityError, FirstTokenMissingError, KVAuthError, KVIncompatibleError, KVTransferError, PrefillEndedError
 from pdserve.messages import DecodeRequest, TokenChunk
 from pdserve.metrics import PoolMetrics
-from pdserve.worker import PREFILL_DEADLINE_S, build_engine, rss_bytes
+from pdserve.worker import PREFILL_DEADLINE_S, build_engine, replica_name, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,12 @@ async def receive_kv(kv_cache: PagedKVCache, receiver: KVReceiver, handle: KVHan
         raise
 
 
+def merge_chunks(a: TokenChunk, b: TokenChunk) -> TokenChunk:
+    """``a`` then ``b`` as one chunk: their tokens (and logprobs) in order, ``b``'s finish reason."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or []), *(b.logprobs or [])]
+    return TokenChunk([*a.token_ids, *b.token_ids], b.finish_reason, logprobs)
+
+
 class DecodeServer:
     """Receives each request's prompt KV straight into its own blocks, then decodes it in
     the shared running batch (continuous batching, one forward per step).
@@ -63,6 +69,7 @@ class DecodeServer:
         self.pool = pool
         self.pool_cfg = getattr(self.cfg, pool)
         self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
+        self.replica = replica_name()  # which replica answered a stats call
         self.engine, fingerprint = build_engine(self.cfg, pool)
         self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice)
         self.kv_receiver = make_receiver(self.cfg.kv_transfer, fingerprint=fingerprint, secret=self.cfg.security.kv_secret)
@@ -186,14 +193,18 @@ class DecodeServer:
         except BaseException:
             self.engine.free_blocks(blocks)
             raise
-        last = None
+        last, interval = None, self.pool_cfg.stream_interval
+        timeout_s = self.pool_cfg.max_step_s + STEP_DEADLINE_S
         try:
             while True:
-                item = await self.loop.next_output(queue, self.pool_cfg.max_step_s + STEP_DEADLINE_S)
-                now = time.perf_counter()
+                item = await self.loop.next_output(queue, timeout_s)
                 if last is not None and item.token_ids:  # the first item's wait is TTFT-like: not counted
-                    self.tpot.observe((now - last) / len(item.token_ids))
-                last = now
+                    # hold this stream's tokens until `interval` are ready or it ends (the
+                    # first item, colocated's first token, goes at once)
+                    while len(item.token_ids) < interval and item.finish_reason is None:
+                        item = merge_chunks(item, await self.loop.next_output(queue, timeout_s))
+                    self.tpot.observe((time.perf_counter() - last) / len(item.token_ids))
+                last = time.perf_counter()
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -237,7 +248,7 @@ class DecodeServer:
         return {
             "num_kv_fetched": self.num_kv_fetched, "num_kv_faults": self.num_kv_faults, "num_recomputed": self.num_recomputed,
             "num_migrated_in": self.num_migrated_in, "num_aborted_by_id": self.num_aborted_by_id,
-            "rss_bytes": rss_bytes(), "node_id": self.node_id,
+            "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica,
             **self.engine.stats(), **{f"kv_{k}": v for k, v in self.kv_receiver.stats().items()},
         }
 

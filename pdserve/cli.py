@@ -66,7 +66,11 @@ def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
     # request's path) would yield their cores to any other process on the node, a load
     # generator for one. The whole node at 0 keeps Serve's controller level with the replicas
     # too (a controller left at 15 behind busy replicas stops autoscaling).
-    env = {**os.environ, "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}
+    # Serve's controller runs its control loop every 0.1 s by default: ~5% of a core on a node
+    # of 2, taken from the replicas. Every 0.5 s it takes ~2%; a dead replica or a scaling
+    # decision is acted on up to 0.4 s later. An explicit setting in the environment wins.
+    env = {**os.environ, "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
+           "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": os.environ.get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")}
     subprocess.run(
         [_ray_cli(), "start", "--head", "--disable-usage-stats", "--include-dashboard=false", f"--num-cpus={os.cpu_count()}",
          f"--metrics-export-port={metrics_export_port}"],
@@ -74,6 +78,20 @@ def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
     )
     ray.init(address="auto", log_to_driver=False)
     return True
+
+
+def _replica_failure() -> str | None:
+    """Why the app's deployments failed, from Ray Serve's status: each failed deployment's
+    name and the last line of its replicas' error (Ray's own message names neither)."""
+    try:
+        from ray import serve
+
+        app = serve.status().applications.get("pdserve")
+        failed = {name: d.message for name, d in (app.deployments.items() if app else ()) if d.status not in ("HEALTHY", "UPDATING", "UPSCALING", "DOWNSCALING")}
+    except Exception:  # noqa: BLE001 - the status is a nicety: Ray's own message stands without it
+        return None
+    lines = [f"{name}: {next((x.strip() for x in reversed(message.splitlines()) if x.strip()), '?')}" for name, message in failed.items()]
+    return "; ".join(lines)[:2000] or None
 
 
 def _up(config: Path | None, address: str | None, model: str | None = None, redeploy: bool = False) -> str:
@@ -104,10 +122,26 @@ def _up(config: Path | None, address: str | None, model: str | None = None, rede
     dtype = resolve_dtype(cfg)
     how = " (model.dtype: auto, settled for this machine)" if cfg.model.dtype == "auto" else ""
     typer.echo(f"Model ready at {model_dir}; the pools load it in {dtype}{how}", err=True)
-    started_ray = _connect_ray(address or cfg.ray.address, cfg.ray.metrics_export_port) or _read_state().get("started_ray", False)
+    try:  # what a replica would refuse, refused here in one line before anything starts
+        from transformers import AutoConfig
+
+        from pdserve.worker import check_pools
+
+        check_pools(cfg, AutoConfig.from_pretrained(model_dir), dtype)
+    except ConfigError as e:
+        raise _fail(str(e))
+    started_now = _connect_ray(address or cfg.ray.address, cfg.ray.metrics_export_port)
+    started_ray = started_now or _read_state().get("started_ray", False)
     typer.echo("Deploying router, prefill and decode pools (each replica loads the model) ...", err=True)
     start = time.perf_counter()
-    deploy(cfg)
+    try:
+        deploy(cfg)
+    except Exception as e:  # noqa: BLE001 - a replica refused to start, a port in use, ...: say why, leave nothing behind
+        reason = _replica_failure() or " ".join(str(e).split())[:2000] or type(e).__name__
+        if started_now:
+            _stop_ray()
+            reason += " (the Ray head this `up` started is stopped)"
+        raise _fail(f"deploy failed: {reason}", code=1)
     _state_path().parent.mkdir(parents=True, exist_ok=True)
     _state_path().write_text(json.dumps({"endpoint": endpoint, "started_ray": started_ray}))
     typer.echo(f"Deployed in {time.perf_counter() - start:.1f}s.", err=True)
@@ -129,21 +163,46 @@ def up(
     typer.echo(f"pdserve is up. gRPC endpoint: {endpoint}")
 
 
+DOWN_TIMEOUT_S = 60.0  # each step of `down` (Serve's shutdown, `ray stop`) gets this long
+_SERVE_SHUTDOWN = """
+import sys, ray
+from ray import serve
+try:
+    ray.init(address="auto", log_to_driver=False)
+except ConnectionError:
+    sys.exit(3)
+serve.shutdown()
+"""
+
+
+def _stop_ray() -> bool:
+    """``ray stop`` on this node (``--force`` if it has not finished in DOWN_TIMEOUT_S); True if it ran."""
+    for args in (["stop"], ["stop", "--force"]):
+        try:
+            subprocess.run([_ray_cli(), *args], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=DOWN_TIMEOUT_S)
+            return True
+        except subprocess.TimeoutExpired:
+            typer.echo(f"`ray {' '.join(args)}` did not finish in {DOWN_TIMEOUT_S:.0f} s", err=True)
+    return False
+
+
 @app.command()
 def down():
-    """Stop the pdserve app, and the local Ray head if `pdserve up` started it."""
-    import ray
-    from ray import serve
-
+    """Stop the pdserve app, and the local Ray head if `pdserve up` started it. Each step
+    has a deadline (DOWN_TIMEOUT_S); it prints what it stopped."""
     state = _read_state()
-    try:
-        ray.init(address="auto", log_to_driver=False)
-        serve.shutdown()
-        ray.shutdown()
-    except ConnectionError:
-        typer.echo("No running Ray cluster found.", err=True)
-    if state.get("started_ray"):
-        subprocess.run([_ray_cli(), "stop"], check=False, stdout=subprocess.DEVNULL)
+    try:  # in a child process: joining a cluster whose head is gone can wait for minutes
+        done = subprocess.run([sys.executable, "-c", _SERVE_SHUTDOWN], capture_output=True, text=True, timeout=DOWN_TIMEOUT_S)
+        if done.returncode == 0:
+            typer.echo("Stopped the pdserve app (Ray Serve).", err=True)
+        elif done.returncode == 3:
+            typer.echo("No running Ray cluster found.", err=True)
+        else:
+            typer.echo(f"Ray Serve's shutdown failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}", err=True)
+    except subprocess.TimeoutExpired:
+        typer.echo(f"Ray Serve's shutdown did not finish in {DOWN_TIMEOUT_S:.0f} s; going on", err=True)
+    if state.get("started_ray") and _stop_ray():
+        typer.echo("Stopped the local Ray head that `pdserve up` started.", err=True)
     _state_path().unlink(missing_ok=True)
     typer.echo("pdserve is down.")
 

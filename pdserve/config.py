@@ -44,8 +44,15 @@ class RayConfig:
 
 @dataclass
 class RouterConfig:
+    # the client APIs listen on host: loopback by default; "0.0.0.0" (or an interface's
+    # address) opens them to other machines. gRPC is served by each router replica itself
+    # (router/grpc_server.py), HTTP by Ray Serve's proxy
+    host: str = "127.0.0.1"
     grpc_port: int = 9000
     http_port: int = 8000
+    # a gRPC client that answers no keepalive ping for this long is gone: its streams are
+    # cancelled and both pools freed (the backstop for a client that vanishes without a cancel)
+    client_keepalive_s: float = 20.0
     num_replicas: int = 1
     # requests one router replica streams at once (Ray Serve's default, 5, would cap the cluster)
     max_ongoing_requests: int = 1024
@@ -114,6 +121,11 @@ class PoolConfig:
     # quantized_weights). An HF directory, another block type or a backend without the
     # kernels stays dense (logged)
     weights: str = "auto"
+    # decode and colocated: at most this many tokens per message to the router (after the
+    # first); a stream's tokens are held until this many are ready or it ends. Fewer
+    # messages cost Ray's streaming, the router and the proxy less CPU per token (vLLM's
+    # and SGLang's stream_interval); 1 = every token at once
+    stream_interval: int = 8
     kv_lease_s: float = 30.0  # prefill only: seconds a prompt's KV is held for decode
     # the engine (pdserve/engine): paged KV pool and batching
     block_size: int = 16  # tokens per KV block
@@ -136,7 +148,7 @@ WEIGHTS = ("auto", "dense", "quantized")  # PoolConfig.weights
 @dataclass
 class KVTransferConfig:
     backend: str = "auto"  # grpc | shm | auto (shm on the same node, grpc across nodes)
-    bind_host: str | None = None  # None = this node's IP
+    bind_host: str | None = None  # None = loopback on a one-node Ray cluster, else this node's IP (prefill_worker.server.kv_bind_host)
     chunk_bytes: int = 1 << 20  # bytes of key+value per streamed chunk
     timeout_s: float = 30.0  # seconds for one whole fetch
     # a fetch that times out, breaks, fails a checksum or finds its lease expired:
@@ -157,17 +169,24 @@ class KVTransferConfig:
 MODES = ("disaggregated", "colocated")
 
 
+KV_SECRET_OFF = "none"  # security.kv_secret: the explicit opt-out of the KV channel's secret
+
+
 @dataclass
 class SecurityConfig:
     """Secrets: null = off; a literal; or "env:NAME" = read from the environment of the
     process that deploys (``pdserve up``), then carried to the replicas in their config."""
 
     api_key: str | None = None  # client API: gRPC metadata "authorization: Bearer <key>", HTTP bearer token
-    kv_secret: str | None = None  # KV channel between the pools: gRPC metadata on every KV call
+    # KV channel between the pools: gRPC metadata on every KV call. null = a random secret
+    # made for each deployment (pdserve.deploy.app_config); "none" = an open channel (warned)
+    kv_secret: str | None = None
 
     def resolved(self) -> "SecurityConfig":
         """Raises ConfigError if an "env:NAME" variable is not set."""
         def one(value: str | None, key: str) -> str | None:
+            if key == "kv_secret" and value == KV_SECRET_OFF:
+                return None
             if value is None or not value.startswith("env:"):
                 return value
             name = value[4:]
@@ -253,6 +272,10 @@ class ClusterConfig:
             raise ConfigError(f"kv_transfer.layerwise must be true or false, not {self.kv_transfer.layerwise!r}")
         if self.kv_transfer.chunk_bytes < 1024:
             raise ConfigError("kv_transfer.chunk_bytes must be at least 1024")
+        if not isinstance(self.router.host, str) or not self.router.host:
+            raise ConfigError(f"router.host must be an address to listen on, such as 127.0.0.1 or 0.0.0.0, not {self.router.host!r}")
+        if not isinstance(self.router.client_keepalive_s, (int, float)) or not self.router.client_keepalive_s >= 1:
+            raise ConfigError(f"router.client_keepalive_s must be >= 1 second, not {self.router.client_keepalive_s!r}")
         if self.router.proxy_location not in ("EveryNode", "HeadOnly"):
             raise ConfigError(f"router.proxy_location must be EveryNode or HeadOnly, not {self.router.proxy_location!r}")
         if self.router.local_prefill_max_tokens < 0 or self.router.max_local_prefills < 0 or (
@@ -282,6 +305,8 @@ class ClusterConfig:
                     raise ConfigError(f"{name}.{key} must be true or false, not {getattr(pool, key)!r}")
             if pool.num_threads is not None and (not isinstance(pool.num_threads, int) or isinstance(pool.num_threads, bool) or pool.num_threads < 1):
                 raise ConfigError(f"{name}.num_threads must be null (num_cpus) or a positive integer, not {pool.num_threads!r}")
+            if not isinstance(pool.stream_interval, int) or isinstance(pool.stream_interval, bool) or not 1 <= pool.stream_interval <= 64:
+                raise ConfigError(f"{name}.stream_interval must be an integer from 1 to 64 tokens, not {pool.stream_interval!r}")
             if not isinstance(pool.engine_nice, int) or isinstance(pool.engine_nice, bool) or not -20 <= pool.engine_nice <= 19:
                 raise ConfigError(f"{name}.engine_nice must be an integer from -20 to 19, not {pool.engine_nice!r}")
             if pool.weights not in WEIGHTS:

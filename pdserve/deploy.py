@@ -9,15 +9,18 @@ through Ray Serve's gRPC and HTTP proxies. Colocated (``mode: colocated``): ``co
 from __future__ import annotations
 
 import dataclasses
+import logging
+import secrets
 
 from ray import serve
 from ray.serve.config import gRPCOptions
 
 from pdserve.autoscaling import ray_policy
-from pdserve.config import ClusterConfig, PoolConfig
+from pdserve.config import KV_SECRET_OFF, ClusterConfig, PoolConfig
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "pdserve"
-GRPC_SERVICERS = ["pdserve.rpc.generate_pb2_grpc.add_GeneratorServicer_to_server"]
 
 
 def _pool_options(name: str, pool: PoolConfig) -> dict:
@@ -47,12 +50,17 @@ def prefix_router_config(pool: PoolConfig):
 
 def app_config(cfg: ClusterConfig) -> dict:
     """The cluster.yaml mapping every deployment of the app is built with: ``cfg`` with what
-    must be settled once, where pdserve is deployed from: secrets given as "env:NAME", and
-    ``model.dtype: auto`` (both pools must load the same dtype; ``resolve_dtype``)."""
+    must be settled once, where pdserve is deployed from: secrets given as "env:NAME", the
+    KV channel's secret when none is set (a random one per deployment), and ``model.dtype:
+    auto`` (both pools must load the same dtype; ``resolve_dtype``)."""
     from pdserve.model_loader import resolve_dtype
 
     config = cfg.to_dict()
     config["security"] = dataclasses.asdict(cfg.security.resolved())
+    if cfg.security.kv_secret is None:  # secure by default: a secret of this deployment's own, in no log
+        config["security"]["kv_secret"] = secrets.token_urlsafe(32)
+    elif cfg.security.kv_secret == KV_SECRET_OFF:
+        log.warning("security.kv_secret is %r: the KV channel between the pools answers anyone who reaches its port", KV_SECRET_OFF)
     config["model"]["dtype"] = resolve_dtype(cfg)
     return config
 
@@ -87,16 +95,17 @@ def app_builder(args: dict) -> serve.Application:
     return build_app(ClusterConfig.from_dict((args or {}).get("config")))
 
 
-def start_serve(cfg: ClusterConfig, host: str = "127.0.0.1") -> None:
-    """Start Ray Serve's proxies (HTTP and gRPC) on the configured ports."""
+def start_serve(cfg: ClusterConfig) -> None:
+    """Start Ray Serve's HTTP proxies on ``router.host:router.http_port``. Its gRPC proxy stays
+    off: each router replica serves the gRPC API itself (router/grpc_server.py)."""
     serve.start(
         proxy_location=cfg.router.proxy_location,
-        http_options={"host": host, "port": cfg.router.http_port},
-        grpc_options=gRPCOptions(port=cfg.router.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+        http_options={"host": cfg.router.host, "port": cfg.router.http_port},
+        grpc_options=gRPCOptions(port=cfg.router.grpc_port, grpc_servicer_functions=[]),
     )
 
 
-def deploy(cfg: ClusterConfig, host: str = "127.0.0.1") -> None:
+def deploy(cfg: ClusterConfig) -> None:
     """Deploy (or update) the pdserve app on the connected Ray cluster; returns once it is running."""
-    start_serve(cfg, host)
+    start_serve(cfg)
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)

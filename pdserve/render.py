@@ -18,20 +18,28 @@ from typing import Any
 import yaml
 
 from pdserve.config import ClusterConfig
-from pdserve.deploy import APP_NAME, GRPC_SERVICERS
+from pdserve.deploy import APP_NAME
 
 
 def _pools(cfg: ClusterConfig) -> list[str]:
     return ["colocated"] if cfg.mode == "colocated" else ["prefill", "decode"]
 
 
+ROUTER_NODE = "pdserve_router_node"  # the head's resource: router replicas (and the client gRPC API they serve) run there
+
+
 def pinned(cfg: ClusterConfig) -> dict[str, Any]:
-    """The cluster.yaml mapping with each pool pinned to its node group's resource."""
+    """The cluster.yaml mapping with each pool pinned to its node group's resource, and the
+    router to the head node, listening on every interface (the pod's ports)."""
     raw = copy.deepcopy(cfg.to_dict())
     for name in _pools(cfg):
         resources = raw[name]["ray_actor_options"].setdefault("resources", {})
         if not resources:
             resources[f"pdserve_{name}_node"] = 0.001
+    router = raw["router"]
+    router["ray_actor_options"].setdefault("resources", {}).setdefault(ROUTER_NODE, 0.001)
+    if router["host"] == "127.0.0.1":
+        router["host"] = "0.0.0.0"
     return raw
 
 
@@ -40,7 +48,6 @@ def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
     return {
         "proxy_location": cfg.router.proxy_location,
         "http_options": {"host": "0.0.0.0", "port": cfg.router.http_port},
-        "grpc_options": {"port": cfg.router.grpc_port, "grpc_servicer_functions": list(GRPC_SERVICERS)},
         "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "pdserve.deploy:app_builder",
                           "args": {"config": pinned(cfg)}}],
     }
@@ -59,8 +66,9 @@ def _container(name: str, image: str, cpus: float, gpus: float, ports: list[int]
 
 
 def kuberay(cfg: ClusterConfig, image: str, ray_version: str, secret_name: str = "pdserve-secrets") -> dict[str, Any]:
-    """A KubeRay RayService (apiVersion ray.io/v1): a head group running the router and
-    Ray Serve's proxies, one worker group per pool sized by its autoscaling bounds.
+    """A KubeRay RayService (apiVersion ray.io/v1): a head group running the router (which
+    serves the gRPC API) and Ray Serve's HTTP proxy, one worker group per pool sized by its
+    autoscaling bounds.
 
     Secrets stay out of the manifest: each "env:NAME" secret becomes the variable NAME in
     every pod, taken from key NAME of the Kubernetes Secret ``secret_name`` (which the
@@ -83,7 +91,7 @@ def kuberay(cfg: ClusterConfig, image: str, ray_version: str, secret_name: str =
             "maxReplicas": bounds.get("max_replicas", 1), "rayStartParams": start,
             "template": {"spec": {"containers": [_container("ray-worker", image, cpus, gpus, env=env)]}},
         })
-    head = {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+    head = {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0", "resources": json.dumps(json.dumps({ROUTER_NODE: 1}))},
             "template": {"spec": {"containers": [_container("ray-head", image, 2, 0, [6379, 8265, cfg.router.http_port, cfg.router.grpc_port], env)]}}}
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService", "metadata": {"name": "pdserve"},

@@ -77,6 +77,17 @@ def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str, 
     )
 
 
+def check_pools(cfg: ClusterConfig, model_config, dtype: str) -> None:
+    """What each pool's replicas would refuse at start, checked where pdserve is deployed
+    from (``pdserve up``) so that it fails in one line, not in Ray's logs. ``model_config``:
+    the model's transformers config; ``dtype``: the settled dtype name (``resolve_dtype``).
+    Raises ConfigError naming the pool and the problem."""
+    spec = KVSpec.from_model_config(model_config, getattr(torch, dtype))
+    max_len = max_model_len(cfg, model_config)
+    for name in ("colocated",) if cfg.mode == "colocated" else ("prefill", "decode"):
+        engine_config(getattr(cfg, name), spec, max_len, name, cfg.model.backend)
+
+
 def worker_device(cfg: ClusterConfig) -> str:
     """"cuda" or "cpu" for this worker (``model.device``; "auto" = cuda when Ray gave this
     actor a GPU). Raises ConfigError for "cuda" without a visible CUDA device."""

@@ -20,10 +20,15 @@ from pdserve.worker import PREFILL_DEADLINE_S, build_engine, replica_name, rss_b
 
 
 
-def _node_ip() -> str:
+def kv_bind_host() -> str:
+    """Where this replica's KV server listens when ``kv_transfer.bind_host`` is null: loopback
+    while the Ray cluster has a single node (every pool is on it), this node's address once
+    pools can span nodes. Checked as the replica starts."""
     import ray
 
-    return ray.util.get_node_ip_address()
+    if ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
 
 
 class PrefillServer:
@@ -41,7 +46,7 @@ class PrefillServer:
         self.replica = replica_name()  # which replica answered a stats call (prefix-routing tests)
         self.engine, fingerprint = build_engine(self.cfg, "prefill")
         self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice)
-        self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or _node_ip(), fingerprint=fingerprint,
+        self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or kv_bind_host(), fingerprint=fingerprint,
                                      block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path,
                                      cuda_ipc=self.engine.kv_cache.ipc_handles is not None,
                                      secret=self.cfg.security.kv_secret)
@@ -132,7 +137,7 @@ class PrefillServer:
 
     def _stats(self) -> dict[str, int]:
         return {"num_requests": self.num_requests, "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica,
-                **self.engine.stats(), **self.kv_sender.stats()}
+                "kv_address": getattr(self.kv_sender, "address", ""), **self.engine.stats(), **self.kv_sender.stats()}
 
     def check_health(self) -> None:
         """Ray Serve's health check: fails if the engine thread died or one step hangs."""

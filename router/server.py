@@ -1,5 +1,6 @@
-"""Router: the ingress deployment. It serves ``pdserve.rpc.Generator`` on Ray Serve's gRPC
-proxy and the OpenAI-compatible HTTP API (router/openai_api.py) on its HTTP proxy.
+"""Router: the ingress deployment. It serves ``pdserve.rpc.Generator`` itself
+(router/grpc_server.py) and the OpenAI-compatible HTTP API (router/openai_api.py) on Ray
+Serve's HTTP proxy.
 
 The request path: tokenize + validate + admit (here) -> prefill pool (first token, KV
 handle) -> decode pool (fetches the KV, streams the rest) (``RequestPath.stream`` in
@@ -36,7 +37,7 @@ from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from pdserve.worker import max_model_len
 from router.admission import Admission, metadata_value
-from router.errors import grpc_status_for, retry_after_s
+from router.grpc_server import GrpcFrontDoor
 from router.placement import PrefillPlacement
 from router.request_path import RequestPath
 from router.retries import RetryPolicy
@@ -95,6 +96,8 @@ class Router:
                                 make_receiver(self.cfg.kv_transfer, secret=self.cfg.security.kv_secret) if prefill is not None else None,
                                 PrefillPlacement(r.local_prefill_max_tokens, r.local_prefill_queue_s, r.max_local_prefills,
                                                  lambda where: self.metrics.placement.inc(tags={"where": where})))
+        self.grpc = GrpcFrontDoor(self, r.host, r.grpc_port, r.max_request_bytes, r.client_keepalive_s)
+        self.grpc.start()  # Ray Serve runs this constructor on the replica's event loop
 
     # -- parsing ---------------------------------------------------------------
 
@@ -161,33 +164,22 @@ class Router:
 
     # -- gRPC methods ------------------------------------------------------------
 
-    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
-        responses = None
+    async def generate_rpc(self, request: pb.GenerateRequest, authorization: str | None) -> AsyncIterator[pb.GenerateResponse]:
+        """One gRPC Generate call (router/grpc_server.py serves it); raises what the request
+        path raises, which the server maps to a status (router/errors.py)."""
+        self.admission.authenticate(authorization)
+        self.admission.check_size(request.ByteSize())
+        prompt_ids, params = await asyncio.to_thread(self._parse, request)  # tokenizing stays off the event loop
+        # Internal ids are always unique; the client's request_id is only echoed back.
+        internal_id = uuid.uuid4().hex
+        responses = self._generate(internal_id, request.request_id or internal_id, prompt_ids, params)
         try:
-            self.admission.authenticate(metadata_value(grpc_context.invocation_metadata() if grpc_context else None, "authorization"))
-            self.admission.check_size(request.ByteSize())
-            prompt_ids, params = await asyncio.to_thread(self._parse, request)  # tokenizing stays off the event loop
-            # Internal ids are always unique; the client's request_id is only echoed back.
-            internal_id = uuid.uuid4().hex
-            responses = self._generate(internal_id, request.request_id or internal_id, prompt_ids, params)
             async for response in responses:
                 yield response
-        except Exception as e:
-            code, message = grpc_status_for(e)
-            if code.name == "INTERNAL":
-                log.exception("request failed")
-            if grpc_context is not None:  # Ray Serve sends this status instead of INTERNAL
-                grpc_context.set_code(code)
-                grpc_context.set_details(message)
-                hint = retry_after_s(e, self.cfg.router.retry_after_s)
-                if hint is not None:
-                    grpc_context.set_trailing_metadata([("retry-after", f"{hint:g}")])
-            raise
-        finally:
-            if responses is not None:  # at once, not at garbage collection: a client that left frees both pools now
-                await responses.aclose()
+        finally:  # at once, not at garbage collection: a client that left frees both pools now
+            await responses.aclose()
 
-    async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
         return pb.HealthResponse(ok=True, model=self.model_name, max_model_len=self.max_model_len)
 
     async def stats(self) -> dict[str, int]:

@@ -67,3 +67,41 @@ def test_up_generate_down(tmp_path):
     assert down.returncode == 0, down.stderr[-3000:]
     gone = pdserve("generate", "Hi", "--endpoint", f"127.0.0.1:{GRPC_PORT}")
     assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
+
+
+def ray_is_running() -> bool:
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    return subprocess.run([ray, "status"], capture_output=True, timeout=120).returncode == 0
+
+
+def test_up_refuses_what_a_replica_would_refuse_in_one_line_and_starts_nothing(tmp_path):
+    """A decode KV pool smaller than the context: refused by `up` before Ray starts; then a
+    `down` with nothing running ends at once and says so."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"router:\n  grpc_port: {GRPC_PORT}\n  http_port: {HTTP_PORT}\ndecode:\n  kv_cache_tokens: 1024\n")
+    up = pdserve("up", str(config))
+    assert up.returncode == 2, up.stderr[-3000:]
+    assert up.stderr.strip().splitlines()[-1] == (
+        "error: decode: the KV pool holds 1024 tokens, less than the context of 8192; "
+        "raise kv_cache_tokens/kv_cache_bytes or lower model.max_model_len")
+    assert not ray_is_running()
+    down = pdserve("down", timeout=200)
+    assert down.returncode == 0 and "No running Ray cluster found." in down.stderr and "pdserve is down." in down.stdout
+
+
+def test_a_failed_up_stops_the_ray_head_it_started(tmp_path):
+    """Replicas that cannot start (model.device: cuda on a machine without one): `up` fails
+    with the replica's reason and stops the Ray head it started; `down` after it is clean."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the replicas would start")
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"model:\n  device: cuda\n  dtype: float32\nrouter:\n  grpc_port: {GRPC_PORT}\n  http_port: {HTTP_PORT}\n")
+    up = pdserve("up", str(config))
+    assert up.returncode == 1, up.stderr[-3000:]
+    last = up.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: deploy failed:") and "no CUDA device" in last and last.endswith("is stopped)"), last
+    assert not ray_is_running()
+    down = pdserve("down", timeout=200)
+    assert down.returncode == 0 and "pdserve is down." in down.stdout

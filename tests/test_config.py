@@ -55,6 +55,26 @@ def test_secrets_come_from_the_environment_when_asked(monkeypatch):
         cfg.security.resolved()
 
 
+def test_the_kv_secret_is_made_for_each_deployment_unless_turned_off(caplog):
+    """null: every deployment gets a random secret of its own, which no log shows; "none" opts
+    out, with a warning; a literal is kept."""
+    from pdserve.deploy import app_config
+
+    caplog.set_level("INFO")
+    made = [app_config(ClusterConfig())["security"]["kv_secret"] for _ in range(2)]
+    assert all(isinstance(m, str) and len(m) >= 32 for m in made) and made[0] != made[1]
+    assert not any(m in caplog.text for m in made)
+    assert app_config(ClusterConfig.from_dict({"security": {"kv_secret": "none"}}))["security"]["kv_secret"] is None
+    assert "answers anyone" in caplog.text
+    assert app_config(ClusterConfig.from_dict({"security": {"kv_secret": "lit"}}))["security"]["kv_secret"] == "lit"
+
+
+def test_stream_interval_is_a_token_count():
+    assert ClusterConfig().decode.stream_interval == 8
+    with pytest.raises(ConfigError, match="decode.stream_interval must be an integer from 1 to 64"):
+        ClusterConfig.from_dict({"decode": {"stream_interval": 0}})
+
+
 @pytest.mark.parametrize("raw, message", [
     ({"security": {"api_key": ""}}, "security.api_key"),
     ({"security": {"kv_secret": "env:"}}, "security.kv_secret"),

@@ -210,6 +210,27 @@ def test_health(cluster):
     assert health.ok and health.model == "smollm2" and health.max_model_len == 8192
 
 
+def test_the_kv_channel_refuses_a_caller_without_this_deployments_secret(cluster):
+    """security.kv_secret unset (the default): the deployment made a secret of its own. A
+    caller without it is refused on all four KV RPCs; on one node the KV server is on loopback."""
+    from ray import serve
+
+    from pdserve.rpc import kv_pb2, kv_pb2_grpc
+
+    address = serve.get_deployment_handle("prefill", "pdserve").stats.remote().result(timeout_s=30)["kv_address"]
+    assert address.startswith("127.0.0.1:")
+    with grpc.insecure_channel(address) as channel:
+        stub = kv_pb2_grpc.KVTransferStub(channel)
+        calls = [(stub.Handshake, kv_pb2.HandshakeRequest()), (stub.DescribeKV, kv_pb2.DescribeKVRequest(transfer_id="x")),
+                 (stub.ReleaseKV, kv_pb2.ReleaseKVRequest(transfer_id="x")), (stub.FetchKV, kv_pb2.FetchKVRequest(transfer_id="x"))]
+        for call, request in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                reply = call(request, timeout=10)
+                if call is stub.FetchKV:
+                    next(iter(reply))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (call, info.value)
+
+
 def test_cancelled_streams_release_everything(cluster, reference):
     """Clients that leave mid-stream: leases, queues and blocks go back to baseline.
 

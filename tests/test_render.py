@@ -18,10 +18,11 @@ def test_serve_config_passes_ray_serves_schema_and_builds_the_app():
     raw = yaml.safe_load(dump(serve_config(cfg)))
     schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(raw)
     app = schema.applications[0]
-    assert app.import_path == "pdserve.deploy:app_builder" and raw["grpc_options"]["port"] == 9000
+    assert app.import_path == "pdserve.deploy:app_builder" and "grpc_options" not in raw  # the router serves gRPC itself
     pinned = ClusterConfig.from_dict(app.args["config"])
     assert pinned.prefill.ray_actor_options["resources"] == {"prefill_node": 1}  # the user's own resource is kept
     assert pinned.decode.ray_actor_options["resources"] == {"pdserve_decode_node": 0.001}  # none given: one is made up
+    assert pinned.router.host == "0.0.0.0" and pinned.router.ray_actor_options["resources"] == {"pdserve_router_node": 0.001}
     assert app_builder(app.args) is not None  # Ray Serve's builder path builds the application
 
 

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from conftest import reference_generate
-from decode_worker.server import DecodeServer
+from decode_worker.server import DecodeServer, merge_chunks
 from kv_transfer import shm_backend
 from pdserve.errors import KVIncompatibleError, KVTransferError
-from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, PrefillStarted
+from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk
 from pdserve.model_loader import load_model, load_tokenizer
 from pdserve.sampling import SamplingParams
 from prefill_worker.server import PrefillServer
@@ -92,11 +92,37 @@ def test_abort_by_id_stops_a_running_request_and_one_that_comes_later(workers, r
 
     before = asyncio.run(decode.stats())["num_aborted_by_id"]
     chunks, late = asyncio.run(go())
-    assert chunks[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in chunks) < 20, chunks
+    # aborted after 17 tokens (1 + 8 + 8: decode.stream_interval 8): at most the tokens held then follow
+    assert chunks[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in chunks) < 17 + 2 * 8, chunks
     assert late == []
     p, d = asyncio.run(settle(prefill, decode))
     assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]
     assert d["num_running"] == 0 and d["num_aborted_by_id"] == before + 1
+
+
+def test_tokens_go_to_the_router_stream_interval_at_a_time(workers, reference):
+    """decode.stream_interval (8 by default): after the first, each message holds 8 tokens,
+    the last one the rest; logprobs come one per token, in order, as when sent one by one."""
+    backend, prefill, decode = workers
+    prompt, _ = reference
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+
+    async def go():
+        first = await prefill.prefill(PrefillRequest(f"interval-{backend}", prompt, params))
+        return [c async for c in decode.generate(DecodeRequest(f"interval-{backend}", prompt, first.first_token, params, first.kv))]
+
+    chunks = asyncio.run(go())
+    assert decode.pool_cfg.stream_interval == 8
+    assert [len(c.token_ids) for c in chunks] == [1, 8, 8, 2] and [c.finish_reason for c in chunks] == [None, None, None, "length"]
+    assert [len(c.logprobs) for c in chunks] == [1, 8, 8, 2]
+    assert all(lp.token_id == t for c in chunks for lp, t in zip(c.logprobs, c.token_ids))
+    asyncio.run(settle(prefill, decode))
+
+
+def test_merged_chunks_keep_order_and_the_last_finish_reason():
+    a, b = TokenChunk([1, 2], None, None), TokenChunk([3], "stop", None)
+    assert merge_chunks(a, b) == TokenChunk([1, 2, 3], "stop", None)
+    assert merge_chunks(TokenChunk([5], None, None), TokenChunk([], "abort", None)) == TokenChunk([5], "abort", None)
 
 
 @pytest.mark.parametrize("fault", ["timeout", "break", "corrupt", "expire"])

@@ -1,0 +1,88 @@
+"""The client gRPC API (``pdserve.rpc.Generator``), served by each router replica itself.
+
+Ray Serve's gRPC proxy does not pass every client cancel on to the replica: with 64 SDK
+streams cancelled at random points, a quarter to a third decoded on to ``max_tokens``. Here
+``grpc.aio`` cancels a handler's task as soon as its client cancels, disconnects or stops
+answering keepalive pings (``router.client_keepalive_s``), and the request path's
+``finally`` blocks (router/server.py, router/request_path.py) then stop decode and free both
+pools' KV. Ray Serve still places, routes to and autoscales the deployments behind it.
+
+Every router replica listens on ``router.host:router.grpc_port``; replicas on one node share
+the port (``SO_REUSEPORT``: the kernel spreads connections over them). Errors carry their
+real status code, a retry hint in the ``retry-after`` trailing metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, AsyncIterator
+
+import grpc
+
+from pdserve.rpc import generate_pb2 as pb
+from pdserve.rpc import generate_pb2_grpc
+from router.admission import metadata_value
+from router.errors import grpc_status_for, retry_after_s
+
+if TYPE_CHECKING:
+    from router.server import Router
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 5.0  # on stop, streams in flight get this long before they are cancelled
+
+
+class _Generator(generate_pb2_grpc.GeneratorServicer):
+    def __init__(self, router: "Router"):
+        self.router = router
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        responses = self.router.generate_rpc(request, metadata_value(context.invocation_metadata(), "authorization"))
+        try:
+            async for response in responses:
+                yield response
+        except Exception as e:  # noqa: BLE001 - every error leaves as a status that names it
+            code, message = grpc_status_for(e)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("request failed")
+            hint = retry_after_s(e, self.router.cfg.router.retry_after_s)
+            if hint is not None:
+                context.set_trailing_metadata((("retry-after", f"{hint:g}"),))
+            await context.abort(code, message)
+        finally:  # a cancelled client lands here too (CancelledError): close the path now, freeing both pools
+            await responses.aclose()
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return await self.router.Health(request)
+
+
+class GrpcFrontDoor:
+    """A ``grpc.aio`` server of ``router``'s Generator API on ``host:port``.
+
+    Binds in the constructor (raises OSError naming the address when the port is taken by a
+    process that does not share it); ``start()`` must then run on the replica's event loop.
+    """
+
+    def __init__(self, router: "Router", host: str, port: int, max_request_bytes: int, keepalive_s: float):
+        self.server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", max_request_bytes + 1024),  # larger ones: RESOURCE_EXHAUSTED before parsing
+            ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),  # ping a quiet client this often ...
+            ("grpc.keepalive_timeout_ms", int(keepalive_s * 1000)),  # ... and drop it (cancelling its streams) if it is gone
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ])
+        generate_pb2_grpc.add_GeneratorServicer_to_server(_Generator(router), self.server)
+        self.address = f"{host}:{port}"
+        if self.server.add_insecure_port(self.address) == 0:
+            raise OSError(f"cannot listen on {self.address} for the client gRPC API (router.host, router.grpc_port)")
+        self._started: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start serving, from the event loop the replica runs its requests on."""
+        self._started = asyncio.get_running_loop().create_task(self.server.start())
+        log.info("client gRPC API on %s", self.address)
+
+    async def stop(self) -> None:
+        await self.server.stop(GRACE_S)
