@@ -79,7 +79,7 @@ class DecodeServer:
         self.num_migrated_in = 0  # requests resumed here after their decode replica died
         self.tpot = LatencyWindow()  # seconds per output token after the first, for autoscaling on TPOT
         self.busy = BusyMeter()  # busy fraction between autoscaling reports
-        self.metrics = PoolMetrics(pool, self.cfg.model.path, self._stats)
+        self.metrics = PoolMetrics(pool, self.cfg.model.path, self._stats, replica=self.replica)
         self._aborted: dict[str, float] = {}  # request id -> when an abort by id came (monotonic s)
         self.num_aborted_by_id = 0  # requests stopped by ``abort`` rather than by a cancelled call
 
@@ -97,7 +97,10 @@ class DecodeServer:
             if blocks is not None:
                 return blocks
             if time.monotonic() > deadline:
-                raise CapacityError(f"decode KV pool has no room for {num_tokens} tokens")
+                stats = self.engine.stats()
+                raise CapacityError(f"decode KV pool has no room for {num_tokens} tokens after {self.pool_cfg.max_kv_wait_s:g} s "
+                                    f"(decode.max_kv_wait_s; {stats.get('num_free_blocks', 0)} of {stats.get('num_blocks', 0)} blocks free, "
+                                    f"{stats.get('num_running', 0)} requests running)")
             await asyncio.sleep(0.01)
 
     def _free_reserved(self, call: asyncio.Future) -> None:
@@ -146,7 +149,7 @@ class DecodeServer:
         """Reserve blocks and fetch the prompt's KV into them; on a fault, recompute or raise
         (kv_transfer.on_fault). Returns the sequence to run and the blocks it holds, or None
         when a layer-wise prefill finished the request at its first token."""
-        blocks = await self._reserve(num_prompt, time.monotonic() + timeout_s)
+        blocks = await self._reserve(num_prompt, time.monotonic() + min(timeout_s, self.pool_cfg.max_kv_wait_s))
         first_token = request.first_token
         if first_token is None:  # layer-wise: the fetch also waits for prefill to compute the KV
             timeout_s += PREFILL_DEADLINE_S
@@ -194,15 +197,15 @@ class DecodeServer:
             self.engine.free_blocks(blocks)
             raise
         last, interval = None, self.pool_cfg.stream_interval
-        timeout_s = self.pool_cfg.max_step_s + STEP_DEADLINE_S
+        timeout_s, name = self.pool_cfg.max_step_s + STEP_DEADLINE_S, f"{self.pool} per-token deadline (max_step_s + {STEP_DEADLINE_S:g} s)"
         try:
             while True:
-                item = await self.loop.next_output(queue, timeout_s)
+                item = await self.loop.next_output(queue, timeout_s, name)
                 if last is not None and item.token_ids:  # the first item's wait is TTFT-like: not counted
                     # hold this stream's tokens until `interval` are ready or it ends (the
                     # first item, colocated's first token, goes at once)
                     while len(item.token_ids) < interval and item.finish_reason is None:
-                        item = merge_chunks(item, await self.loop.next_output(queue, timeout_s))
+                        item = merge_chunks(item, await self.loop.next_output(queue, timeout_s, name))
                     self.tpot.observe((time.perf_counter() - last) / len(item.token_ids))
                 last = time.perf_counter()
                 yield item

@@ -108,7 +108,8 @@ def _up(config: Path | None, address: str | None, model: str | None = None, rede
             cfg.validate()
     except (OSError, ConfigError) as e:
         raise _fail(str(e))
-    endpoint = f"127.0.0.1:{cfg.router.grpc_port}"
+    host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::", "") else cfg.router.host
+    endpoint = f"{host}:{cfg.router.grpc_port}"
     if not redeploy and _healthy(endpoint):
         typer.echo(f"pdserve is already up at {endpoint} (use --redeploy to apply a changed config).", err=True)
         return endpoint

@@ -180,19 +180,33 @@ class Stream(_Call):
                 time.sleep(wait)
 
 
+def _tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a server with ``router.tls_*`` set: ``ca_file`` verifies the
+    server (None: the system's roots), ``cert_file``/``key_file`` are this client's
+    certificate for mTLS. None (plaintext) when none of the three is given."""
+    if not (ca_file or cert_file or key_file):
+        return None
+    read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
+
+
 def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
 class Client:
     """Synchronous client. ``retries``: retries of UNAVAILABLE and RESOURCE_EXHAUSTED before
-    the first chunk; ``api_key``: sent as "authorization: Bearer <key>" (security.api_key)."""
+    the first chunk; ``api_key``: sent as "authorization: Bearer <key>" (security.api_key);
+    ``tls_ca_file`` (and ``tls_cert_file``/``tls_key_file`` for mTLS): connect over TLS
+    (router.tls_*). Raises OSError for an unreadable TLS file."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5, api_key: str | None = None):
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5, api_key: str | None = None,
+                 tls_ca_file: str | None = None, tls_cert_file: str | None = None, tls_key_file: str | None = None):
         self.endpoint = endpoint
         self.retries, self.backoff_s = retries, backoff_s
         self._metadata = _auth_metadata(api_key)
-        self._channel = grpc.insecure_channel(endpoint)
+        credentials = _tls(tls_ca_file, tls_cert_file, tls_key_file)
+        self._channel = grpc.secure_channel(endpoint, credentials) if credentials else grpc.insecure_channel(endpoint)
         self._stub = pb_grpc.GeneratorStub(self._channel)
 
     def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:
@@ -254,11 +268,13 @@ class AsyncStream(_Call):
 class AsyncClient:
     """asyncio client (grpc.aio); same arguments and results as ``Client``."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5, api_key: str | None = None):
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, retries: int = 3, backoff_s: float = 0.5, api_key: str | None = None,
+                 tls_ca_file: str | None = None, tls_cert_file: str | None = None, tls_key_file: str | None = None):
         self.endpoint = endpoint
         self.retries, self.backoff_s = retries, backoff_s
         self._metadata = _auth_metadata(api_key)
-        self._channel = grpc.aio.insecure_channel(endpoint)
+        credentials = _tls(tls_ca_file, tls_cert_file, tls_key_file)
+        self._channel = grpc.aio.secure_channel(endpoint, credentials) if credentials else grpc.aio.insecure_channel(endpoint)
         self._stub = pb_grpc.GeneratorStub(self._channel)
 
     async def health(self, timeout_s: float = 5.0) -> pb.HealthResponse:

@@ -53,6 +53,12 @@ class RouterConfig:
     # a gRPC client that answers no keepalive ping for this long is gone: its streams are
     # cancelled and both pools freed (the backstop for a client that vanishes without a cancel)
     client_keepalive_s: float = 20.0
+    # TLS on both client APIs (PEM files, on every node that runs a router replica or Serve's
+    # HTTP proxy): both files or neither; tls_client_ca_file also makes the gRPC API require
+    # client certificates signed by that CA (mTLS); HTTP verifies one only if a client sends it
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
     num_replicas: int = 1
     # requests one router replica streams at once (Ray Serve's default, 5, would cap the cluster)
     max_ongoing_requests: int = 1024
@@ -126,6 +132,10 @@ class PoolConfig:
     # messages cost Ray's streaming, the router and the proxy less CPU per token (vLLM's
     # and SGLang's stream_interval); 1 = every token at once
     stream_interval: int = 8
+    # decode: a request whose prompt's KV finds no room in the pool waits at most this long
+    # (s) for blocks to free, then is refused (RESOURCE_EXHAUSTED / 429 with a retry hint)
+    # rather than held until the KV deadline
+    max_kv_wait_s: float = 1.0
     kv_lease_s: float = 30.0  # prefill only: seconds a prompt's KV is held for decode
     # the engine (pdserve/engine): paged KV pool and batching
     block_size: int = 16  # tokens per KV block
@@ -274,6 +284,9 @@ class ClusterConfig:
             raise ConfigError("kv_transfer.chunk_bytes must be at least 1024")
         if not isinstance(self.router.host, str) or not self.router.host:
             raise ConfigError(f"router.host must be an address to listen on, such as 127.0.0.1 or 0.0.0.0, not {self.router.host!r}")
+        r = self.router
+        if (r.tls_cert_file is None) != (r.tls_key_file is None) or (r.tls_client_ca_file is not None and r.tls_cert_file is None):
+            raise ConfigError("router TLS needs both router.tls_cert_file and router.tls_key_file (and them for tls_client_ca_file)")
         if not isinstance(self.router.client_keepalive_s, (int, float)) or not self.router.client_keepalive_s >= 1:
             raise ConfigError(f"router.client_keepalive_s must be >= 1 second, not {self.router.client_keepalive_s!r}")
         if self.router.proxy_location not in ("EveryNode", "HeadOnly"):
@@ -297,7 +310,7 @@ class ClusterConfig:
             for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "chunk_size"):
                 if not isinstance(getattr(pool, key), int) or getattr(pool, key) < 1:
                     raise ConfigError(f"{name}.{key} must be a positive integer")
-            for key in ("max_step_s", "health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s"):
+            for key in ("max_step_s", "health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s", "max_kv_wait_s"):
                 if not isinstance(getattr(pool, key), (int, float)) or not getattr(pool, key) > 0:
                     raise ConfigError(f"{name}.{key} must be > 0 seconds")
             for key in ("optimize", "enable_prefix_caching"):

@@ -95,12 +95,20 @@ def app_builder(args: dict) -> serve.Application:
     return build_app(ClusterConfig.from_dict((args or {}).get("config")))
 
 
+def http_tls(cfg: ClusterConfig) -> dict:
+    """Ray Serve's HTTPOptions for ``router.tls_*`` (HTTPS on its proxies), {} without TLS."""
+    r = cfg.router
+    if not r.tls_cert_file:
+        return {}
+    return {"ssl_certfile": r.tls_cert_file, "ssl_keyfile": r.tls_key_file, **({"ssl_ca_certs": r.tls_client_ca_file} if r.tls_client_ca_file else {})}
+
+
 def start_serve(cfg: ClusterConfig) -> None:
     """Start Ray Serve's HTTP proxies on ``router.host:router.http_port``. Its gRPC proxy stays
     off: each router replica serves the gRPC API itself (router/grpc_server.py)."""
     serve.start(
         proxy_location=cfg.router.proxy_location,
-        http_options={"host": cfg.router.host, "port": cfg.router.http_port},
+        http_options={"host": cfg.router.host, "port": cfg.router.http_port, **http_tls(cfg)},
         grpc_options=gRPCOptions(port=cfg.router.grpc_port, grpc_servicer_functions=[]),
     )
 

@@ -8,7 +8,9 @@ deprecates ``:`` in metric names and its OpenTelemetry exporter drops such metri
 
 - router: TTFT, inter-token latency and end-to-end latency histograms (seconds); prompt
   and generation token counters; finished requests by ``finished_reason``.
-- both pools (tag ``pool``): running and waiting requests, KV pool usage (0-1), KV leases held.
+- both pools (tags ``pool`` and ``replica``, one series per replica): running and waiting
+  requests, KV usage (0-1) and blocks used and in all, KV leases held. A pool's usage is
+  ``sum(pdserve_kv_blocks_used) / sum(pdserve_kv_blocks_total)`` over its replicas.
 - decode pool: KV transfer bytes and seconds (tag ``transport``), and faults.
 
 Every object is a no-op outside a Ray worker, so the engine and tests run without Ray.
@@ -72,22 +74,24 @@ class RouterMetrics:
 class PoolMetrics:
     """Gauges of one worker, refreshed from ``stats()`` every ``interval_s`` by a daemon thread."""
 
-    def __init__(self, pool: str, model: str, stats: Callable[[], dict], interval_s: float = 1.0):
+    def __init__(self, pool: str, model: str, stats: Callable[[], dict], interval_s: float = 1.0, replica: str = ""):
         m = _metrics()
         self.kv_transfer_bytes = self.kv_transfer_seconds = self.kv_transfer_faults = _Null()
         if m is None:
             return
         tags = {"pool": pool, "model_name": model}
 
-        def gauge(name, description):
-            g = m.Gauge(name, description=description, tag_keys=("pool", "model_name"))
-            g.set_default_tags(tags)
+        def gauge(name, description):  # one series per replica (tag ``replica``): sum or average them per pool
+            g = m.Gauge(name, description=description, tag_keys=("pool", "model_name", "replica"))
+            g.set_default_tags({**tags, "replica": replica})
             return g
 
         self._gauges = {
             "num_running": gauge("pdserve_num_requests_running", "Sequences in the running batch"),
             "num_waiting": gauge("pdserve_num_requests_waiting", "Sequences queued for the engine"),
-            "kv_usage": gauge("pdserve_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)"),
+            "kv_usage": gauge("pdserve_kv_cache_usage_perc", "Fraction of this replica's KV blocks in use (0-1)"),
+            "kv_used": gauge("pdserve_kv_blocks_used", "KV blocks in use; a pool's usage is sum(used) / sum(total)"),
+            "kv_total": gauge("pdserve_kv_blocks_total", "KV blocks in this replica's pool"),
             "num_held": gauge("pdserve_kv_leases_held", "Prompt KVs held for decode to fetch (prefill)"),
         }
         keys = ("pool", "model_name", "transport")
@@ -108,6 +112,8 @@ class PoolMetrics:
                 self._gauges["num_running"].set(s.get("num_running", 0))
                 self._gauges["num_waiting"].set(s.get("num_waiting", 0))
                 self._gauges["kv_usage"].set(s.get("num_used_blocks", 0) / max(1, s.get("num_blocks", 1)))
+                self._gauges["kv_used"].set(s.get("num_used_blocks", 0))
+                self._gauges["kv_total"].set(s.get("num_blocks", 0))
                 self._gauges["num_held"].set(s.get("num_held", 0))
             except Exception:  # noqa: BLE001 - metrics never take a worker down
                 pass

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from pdserve.config import ClusterConfig
-from pdserve.deploy import APP_NAME
+from pdserve.deploy import APP_NAME, http_tls
 
 
 def _pools(cfg: ClusterConfig) -> list[str]:
@@ -47,7 +47,7 @@ def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
     """A Ray Serve config file (ServeDeploySchema) for ``serve deploy``."""
     return {
         "proxy_location": cfg.router.proxy_location,
-        "http_options": {"host": "0.0.0.0", "port": cfg.router.http_port},
+        "http_options": {"host": "0.0.0.0", "port": cfg.router.http_port, **http_tls(cfg)},
         "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "pdserve.deploy:app_builder",
                           "args": {"config": pinned(cfg)}}],
     }

@@ -53,7 +53,7 @@ class PrefillServer:
         self.num_requests = 0
         self.ttft = LatencyWindow()  # seconds from arrival to first token, for autoscaling on TTFT
         self.busy = BusyMeter()  # busy fraction between autoscaling reports
-        self.metrics = PoolMetrics("prefill", self.cfg.model.path, self._stats)
+        self.metrics = PoolMetrics("prefill", self.cfg.model.path, self._stats, replica=self.replica)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Raises InvalidRequestError for a request that breaks the shared limits,
@@ -62,7 +62,7 @@ class PrefillServer:
         start, seq = time.perf_counter(), self._sequence(request)
         queue = self.loop.submit(seq)
         try:
-            chunk = await self.loop.next_output(queue, PREFILL_DEADLINE_S)
+            chunk = await self.loop.next_output(queue, PREFILL_DEADLINE_S, "prefill deadline (queue and prefill of the prompt)")
         except BaseException:
             self.loop.abort(seq)
             raise
@@ -101,7 +101,7 @@ class PrefillServer:
         output = None
         try:
             queue = self.loop.submit(seq)
-            output = asyncio.ensure_future(self.loop.next_output(queue, PREFILL_DEADLINE_S))
+            output = asyncio.ensure_future(self.loop.next_output(queue, PREFILL_DEADLINE_S, "prefill deadline (queue and prefill of the prompt)"))
             waiter = asyncio.ensure_future(started.wait())
             await asyncio.wait([output, waiter], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()

@@ -60,14 +60,19 @@ class _Generator(generate_pb2_grpc.GeneratorServicer):
 class GrpcFrontDoor:
     """A ``grpc.aio`` server of ``router``'s Generator API on ``host:port``.
 
-    Binds in the constructor (raises OSError naming the address when the port is taken by a
-    process that does not share it); ``start()`` must then run on the replica's event loop.
+    ``tls``: (cert file, key file, client CA file or None) for TLS, None for plaintext. Binds
+    in the constructor (raises OSError naming the address when the port is taken by a process
+    that does not share it, OSError for an unreadable TLS file); ``start()`` must then run on
+    the replica's event loop.
     """
 
-    def __init__(self, router: "Router", host: str, port: int, max_request_bytes: int, keepalive_s: float):
+    def __init__(self, router: "Router", host: str, port: int, max_request_bytes: int, keepalive_s: float,
+                 tls: tuple[str, str, str | None] | None = None):
         self.server = grpc.aio.server(options=[
             ("grpc.so_reuseport", 1),
-            ("grpc.max_receive_message_length", max_request_bytes + 1024),  # larger ones: RESOURCE_EXHAUSTED before parsing
+            # up to twice router.max_request_bytes reaches the handler, which refuses it with INVALID_ARGUMENT naming
+            # the limit; larger ones gRPC refuses before parsing (RESOURCE_EXHAUSTED, "larger than max")
+            ("grpc.max_receive_message_length", 2 * max_request_bytes + 1024),
             ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),  # ping a quiet client this often ...
             ("grpc.keepalive_timeout_ms", int(keepalive_s * 1000)),  # ... and drop it (cancelling its streams) if it is gone
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
@@ -75,7 +80,13 @@ class GrpcFrontDoor:
         ])
         generate_pb2_grpc.add_GeneratorServicer_to_server(_Generator(router), self.server)
         self.address = f"{host}:{port}"
-        if self.server.add_insecure_port(self.address) == 0:
+        if tls is None:
+            bound = self.server.add_insecure_port(self.address)
+        else:  # (cert, key, client CA or None): with a client CA, a client without its certificate fails the handshake
+            cert, key, client_ca = (open(path, "rb").read() if path else None for path in tls)
+            bound = self.server.add_secure_port(self.address, grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None))
+        if bound == 0:
             raise OSError(f"cannot listen on {self.address} for the client gRPC API (router.host, router.grpc_port)")
         self._started: asyncio.Task | None = None
 

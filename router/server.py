@@ -96,7 +96,8 @@ class Router:
                                 make_receiver(self.cfg.kv_transfer, secret=self.cfg.security.kv_secret) if prefill is not None else None,
                                 PrefillPlacement(r.local_prefill_max_tokens, r.local_prefill_queue_s, r.max_local_prefills,
                                                  lambda where: self.metrics.placement.inc(tags={"where": where})))
-        self.grpc = GrpcFrontDoor(self, r.host, r.grpc_port, r.max_request_bytes, r.client_keepalive_s)
+        tls = (r.tls_cert_file, r.tls_key_file, r.tls_client_ca_file) if r.tls_cert_file else None
+        self.grpc = GrpcFrontDoor(self, r.host, r.grpc_port, r.max_request_bytes, r.client_keepalive_s, tls)
         self.grpc.start()  # Ray Serve runs this constructor on the replica's event loop
 
     # -- parsing ---------------------------------------------------------------

@@ -72,10 +72,10 @@ def real_model_dir():
     return resolve_model_dir("smollm2")
 
 
-def serve_cluster(config: dict, api_key: str | None = None, **ray_init):
+def serve_cluster(config: dict, api_key: str | None = None, client_kwargs: dict | None = None, **ray_init):
     """Generator for module fixtures: a local Ray (2 CPUs) with pdserve deployed from
     ``config`` (a cluster.yaml mapping); yields a Client on its gRPC port (sending
-    ``api_key``), then shuts all down."""
+    ``api_key``, built with ``client_kwargs``: TLS files), then shuts all down."""
     import os
 
     import ray
@@ -97,9 +97,24 @@ def serve_cluster(config: dict, api_key: str | None = None, **ray_init):
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **ray_init)
     cfg = ClusterConfig.from_dict(config)
     deploy(cfg)
-    client = Client(f"127.0.0.1:{cfg.router.grpc_port}", api_key=api_key)
+    client = Client(f"127.0.0.1:{cfg.router.grpc_port}", api_key=api_key, **(client_kwargs or {}))
     client.health(timeout_s=30)
     yield client
     client.close()
     serve.shutdown()
     ray.shutdown()
+
+
+def make_tls(tmp_path) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI), under ``tmp_path``: (cert, key, ca)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a test certificate")
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, cwd=tmp_path)  # noqa: E731
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=pdserve-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "kv.key", "-out", "kv.csr", "-subj", "/CN=127.0.0.1")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "kv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "kv.pem", "-days", "1", "-extfile", "san.ext")
+    return str(tmp_path / "kv.pem"), str(tmp_path / "kv.key"), str(tmp_path / "ca.pem")

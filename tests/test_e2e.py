@@ -533,7 +533,8 @@ def test_prometheus_endpoint_has_the_pdserve_metrics(cluster):
 
     wanted = ["time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_count",
               "prompt_tokens_total", "generation_tokens_total", 'request_success_total{', "num_requests_running",
-              "num_requests_waiting", "kv_cache_usage_perc", "kv_transfer_bytes_total", "kv_transfer_seconds_count"]
+              "num_requests_waiting", "kv_cache_usage_perc", "kv_blocks_used", "kv_blocks_total", "kv_transfer_bytes_total",
+              "kv_transfer_seconds_count"]
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:
         with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
@@ -549,6 +550,10 @@ def test_prometheus_endpoint_has_the_pdserve_metrics(cluster):
 
     transport = "shm" if shm_backend.available() else "grpc"  # auto on one node: shm, where its C block copy builds
     assert 'pool="decode"' in text and 'pool="prefill"' in text and f'transport="{transport}"' in text
+    # per-replica gauges carry the replica's id; a pool's usage is blocks used over blocks in all
+    usage = [line for line in text.splitlines() if line.startswith("ray_pdserve_kv_cache_usage_perc{")]
+    assert usage and all('replica="' in line and 'replica=""' not in line for line in usage), usage
+    assert all(0.0 <= float(line.rsplit(" ", 1)[1]) <= 1.0 for line in usage)
 
 
 def test_nothing_is_left_held_or_running(cluster):

@@ -254,8 +254,9 @@ def test_next_output_times_out_on_a_live_loop_without_calling_it_stalled():
 
     async def wait():
         with pytest.raises(TimeoutError) as e:  # nothing was submitted to this queue: a plain deadline
-            await loop.next_output(asyncio.Queue(), timeout_s=1.5)
+            await loop.next_output(asyncio.Queue(), timeout_s=1.5, deadline_name="test deadline")
         assert type(e.value) is TimeoutError
+        assert str(e.value) == "test deadline of 1.5 s passed with nothing from the engine (0 requests running, 0 waiting)"
 
     asyncio.run(wait())
     time.sleep(0.3)  # out of phase with the idle wake-ups

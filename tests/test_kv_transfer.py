@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from conftest import make_tls
 from decode_worker.server import receive_kv
 from kv_transfer import shm_backend, wire
 from kv_transfer.base import KVHandle, TensorKVSink, TensorKVSource
@@ -192,21 +193,6 @@ def test_a_fetch_without_the_secret_or_for_another_id_gets_nothing():
     assert torch.equal(got, source.kv) and sender.stats()["num_held"] == 0
     receiver.close()
     sender.close()
-
-
-def make_tls(tmp_path) -> tuple[str, str, str]:
-    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI): (cert, key, ca)."""
-    import shutil
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl to make a test certificate")
-    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, cwd=tmp_path)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=pdserve-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "kv.key", "-out", "kv.csr", "-subj", "/CN=127.0.0.1")
-    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "kv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "kv.pem", "-days", "1", "-extfile", "san.ext")
-    return str(tmp_path / "kv.pem"), str(tmp_path / "kv.key"), str(tmp_path / "ca.pem")
 
 
 def test_kv_over_tls_with_the_secret_and_a_plaintext_client_gets_nothing(tmp_path):

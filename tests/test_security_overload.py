@@ -1,10 +1,13 @@
-"""Security and overload on a real cluster (issue 7): the API key on gRPC and HTTP, the KV
-channel's shared secret, request size limits, admission control with a retry hint, and a
-bounded soak at twice the measured capacity that ends with nothing hung or leaked."""
+"""Security and overload on a real cluster: TLS on both client APIs (a plaintext client and
+one trusting another CA are refused), the API key over it on gRPC and HTTP, the KV channel's
+shared secret, request size limits, admission control with a retry hint, and a bounded soak
+at twice the measured capacity that ends with nothing hung or leaked."""
 
 from __future__ import annotations
 
+import http.client as http_client
 import json
+import ssl
 import threading
 import time
 import urllib.error
@@ -13,7 +16,7 @@ import urllib.request
 import grpc
 import pytest
 
-from conftest import serve_cluster
+from conftest import make_tls, serve_cluster
 
 pytestmark = pytest.mark.e2e
 GRPC_PORT, HTTP_PORT = 9160, 8160
@@ -21,14 +24,19 @@ API_KEY, MAX_IN_FLIGHT = "test-api-key", 4
 PROMPT = list(range(2000, 2040))
 
 
+TLS: dict[str, str] = {}  # the module's certificates: cert, key and ca (the CA the server's cert is signed by)
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
+    cert, key, ca = make_tls(tmp_path_factory.mktemp("tls"))
+    TLS.update(cert=cert, key=key, ca=ca)
     yield from serve_cluster({
         "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "max_in_flight": MAX_IN_FLIGHT, "retry_after_s": 0.5,
-                   "max_request_bytes": 65536},
+                   "max_request_bytes": 65536, "tls_cert_file": cert, "tls_key_file": key},
         "security": {"api_key": API_KEY, "kv_secret": "kv-test-secret"},
         "kv_transfer": {"backend": "grpc", "on_fault": "fail"},  # a refused KV secret would fail the request, not hide
-    }, api_key=API_KEY)
+    }, api_key=API_KEY, client_kwargs={"tls_ca_file": ca})
 
 
 def pool_stats(name: str) -> dict:
@@ -37,21 +45,44 @@ def pool_stats(name: str) -> dict:
     return serve.get_deployment_handle(name, "pdserve").stats.remote().result(timeout_s=30)
 
 
-def client(api_key: str | None = API_KEY, retries: int = 0):
+def client(api_key: str | None = API_KEY, retries: int = 0, ca: str | None = None):
     from pdserve.client import Client
 
-    return Client(f"127.0.0.1:{GRPC_PORT}", api_key=api_key, retries=retries)
+    return Client(f"127.0.0.1:{GRPC_PORT}", api_key=api_key, retries=retries, tls_ca_file=ca or TLS["ca"])
+
+
+def https() -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=TLS["ca"])
 
 
 def http(path: str, body: dict | bytes | None = None, key: str | None = API_KEY) -> tuple[int, dict, dict]:
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    request = urllib.request.Request(f"http://127.0.0.1:{HTTP_PORT}{path}", data=data, headers=headers)
+    request = urllib.request.Request(f"https://127.0.0.1:{HTTP_PORT}{path}", data=data, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=120) as r:
+        with urllib.request.urlopen(request, timeout=120, context=https()) as r:
             return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
+
+
+# -- TLS --------------------------------------------------------------------------------
+
+
+def test_tls_refuses_plaintext_and_a_client_that_trusts_another_ca(cluster, tmp_path):
+    from pdserve.client import Client
+
+    _, _, other_ca = make_tls(tmp_path)
+    for plain_or_wrong in (Client(f"127.0.0.1:{GRPC_PORT}", api_key=API_KEY, retries=0), client(ca=other_ca)):
+        with plain_or_wrong as c, pytest.raises(grpc.RpcError) as info:
+            c.generate(prompt_token_ids=PROMPT, max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+    with pytest.raises((urllib.error.URLError, ConnectionError, http_client.HTTPException)):  # plain HTTP to the HTTPS port
+        urllib.request.urlopen(f"http://127.0.0.1:{HTTP_PORT}/health", timeout=10)
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(f"https://127.0.0.1:{HTTP_PORT}/health", timeout=10, context=ssl.create_default_context(cafile=other_ca))
+    with client() as c:  # the right CA: served, the API key checked over TLS (below, too)
+        assert len(c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids) == 2
 
 
 # -- authentication -------------------------------------------------------------------
@@ -88,7 +119,7 @@ def test_http_needs_the_bearer_token_except_health(cluster):
         assert status == 401 and answer["error"]["type"] == "authentication_error"
         assert http("/v1/models", key=key)[0] == 401
     assert http("/v1/completions", body)[0] == 200 and http("/v1/models")[0] == 200
-    with urllib.request.urlopen(f"http://127.0.0.1:{HTTP_PORT}/health", timeout=10) as r:
+    with urllib.request.urlopen(f"https://127.0.0.1:{HTTP_PORT}/health", timeout=10, context=https()) as r:
         assert r.status == 200  # load balancers probe without a key
 
 

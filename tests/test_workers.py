@@ -119,6 +119,39 @@ def test_tokens_go_to_the_router_stream_interval_at_a_time(workers, reference):
     asyncio.run(settle(prefill, decode))
 
 
+def test_a_full_decode_pool_refuses_within_max_kv_wait_s_and_names_why(workers, reference):
+    """decode.max_kv_wait_s (1 s): a prompt's KV that finds no room is refused with
+    CapacityError (429 / RESOURCE_EXHAUSTED) soon, not held until the KV deadline; the
+    message says how full the pool is. Nothing leaks."""
+    import time
+
+    from pdserve.errors import CapacityError
+
+    backend, prefill, decode = workers
+    prompt, _ = reference
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    taken = decode.engine.reserve(decode.engine.config.num_blocks * decode.engine.config.block_size)  # the whole pool
+
+    async def go():
+        first = await prefill.prefill(PrefillRequest(f"full-{backend}", prompt, params))
+        start = time.monotonic()
+        try:
+            with pytest.raises(CapacityError, match=r"decode KV pool has no room for \d+ tokens after 1 s \(decode.max_kv_wait_s; 0 of \d+ blocks free"):
+                async for _ in decode.generate(DecodeRequest(f"full-{backend}", prompt, first.first_token, params, first.kv)):
+                    pass
+            return time.monotonic() - start
+        finally:
+            await prefill.release(first.kv.transfer_id)
+
+    try:
+        took = asyncio.run(go())
+    finally:
+        decode.engine.free_blocks(taken)
+    assert took < 3.0
+    p, d = asyncio.run(settle(prefill, decode))
+    assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]
+
+
 def test_merged_chunks_keep_order_and_the_last_finish_reason():
     a, b = TokenChunk([1, 2], None, None), TokenChunk([3], "stop", None)
     assert merge_chunks(a, b) == TokenChunk([1, 2, 3], "stop", None)

@@ -93,11 +93,12 @@ class EngineLoop:
             self._aborts.append(seq)
         self._wake.set()
 
-    async def next_output(self, queue: asyncio.Queue, timeout_s: float) -> TokenChunk:
+    async def next_output(self, queue: asyncio.Queue, timeout_s: float, deadline_name: str = "output deadline") -> TokenChunk:
         """The next chunk from a ``submit`` queue; re-raises a failed step's exception.
 
-        Raises TimeoutError after ``timeout_s`` seconds, WorkerStalledError once a step
-        has been stuck for ``max_step_s`` (checked every STALL_POLL_S of waiting).
+        Raises TimeoutError after ``timeout_s`` seconds, naming ``deadline_name``, its value
+        and the engine's load; WorkerStalledError once a step has been stuck for
+        ``max_step_s`` (checked every STALL_POLL_S of waiting).
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -108,7 +109,9 @@ class EngineLoop:
             except TimeoutError:
                 self.raise_if_stalled()
                 if left <= STALL_POLL_S:
-                    raise
+                    stats = self.engine.stats()
+                    raise TimeoutError(f"{deadline_name} of {timeout_s:g} s passed with nothing from the engine "
+                                       f"({stats.get('num_running', 0)} requests running, {stats.get('num_waiting', 0)} waiting)") from None
         if isinstance(item, BaseException):
             raise item
         return item
