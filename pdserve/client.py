@@ -111,8 +111,8 @@ _HINT = re.compile(r"retry after ([0-9.]+) s")
 
 def server_retry_after_s(e: grpc.RpcError) -> float | None:
     """The server's retry hint, seconds: its ``retry-after`` trailing metadata, or the
-    "retry after N s" in its message (Ray Serve's gRPC proxy does not pass trailing
-    metadata on), if any."""
+    "retry after N s" in its message (a proxy in between may drop trailing metadata), if
+    any."""
     try:
         hint = next((v for k, v in e.trailing_metadata() or () if k == "retry-after"), None)
         if hint is None:

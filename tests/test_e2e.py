@@ -232,11 +232,8 @@ def test_the_kv_channel_refuses_a_caller_without_this_deployments_secret(cluster
 
 
 def test_cancelled_streams_release_everything(cluster, reference):
-    """Clients that leave mid-stream: leases, queues and blocks go back to baseline.
-
-    (Ray Serve's gRPC proxy does not always pass the cancel on; such a request then runs
-    to max_tokens before it is freed, so this waits for that with a deadline.)
-    """
+    """Clients that leave mid-stream, during prefill, at the hand-off and during the KV
+    fetch: leases, queues and blocks go back to baseline (waited for, with a deadline)."""
     _, tokenizer = reference
     for i in range(4):
         call = cluster.stream(prompt_token_ids=text_prompt(tokenizer, 40 + i), max_tokens=64)

@@ -149,7 +149,7 @@ def test_beyond_max_in_flight_requests_get_resource_exhausted_with_a_retry_hint(
                 outcomes.append("ok")
             except grpc.RpcError as e:
                 outcomes.append(e.code().name)
-                hints.append(server_retry_after_s(e))  # Ray Serve's proxy drops trailing metadata: read from the message
+                hints.append(server_retry_after_s(e))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(3 * MAX_IN_FLIGHT)]
     for t in threads:
