@@ -36,7 +36,7 @@ from pdserve.model_loader import load_tokenizer, resolve_model_dir
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from pdserve.worker import max_model_len
-from router.admission import Admission, metadata_value
+from router.admission import Admission
 from router.grpc_server import GrpcFrontDoor
 from router.placement import PrefillPlacement
 from router.request_path import RequestPath
