@@ -110,7 +110,9 @@ def _up(config: Path | None, address: str | None, model: str | None = None, rede
         raise _fail(str(e))
     host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "::", "") else cfg.router.host
     endpoint = f"{host}:{cfg.router.grpc_port}"
-    if not redeploy and _healthy(endpoint):
+    # with TLS, probe it trusting the served certificate (a self-signed one verifies so) or PDSERVE_TLS_CA_FILE
+    tls_ca = os.environ.get("PDSERVE_TLS_CA_FILE") or cfg.router.tls_cert_file
+    if not redeploy and _healthy(endpoint, tls_ca):
         typer.echo(f"pdserve is already up at {endpoint} (use --redeploy to apply a changed config).", err=True)
         return endpoint
     typer.echo(f"Preparing model {cfg.model.path!r} (a GGUF is converted once into {cache_root()}) ...", err=True)
@@ -208,10 +210,10 @@ def down():
     typer.echo("pdserve is down.")
 
 
-def _healthy(endpoint: str) -> bool:
+def _healthy(endpoint: str, tls_ca_file: str | None = None) -> bool:
     import grpc
 
-    with Client(endpoint) as client:
+    with Client(endpoint, tls_ca_file=tls_ca_file) as client:
         try:
             client.health(timeout_s=3)
             return True
@@ -227,6 +229,8 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     seed: Optional[int] = typer.Option(None),
     raw: bool = typer.Option(False, help="send the prompt as plain text, without the chat template"),
+    tls_ca_file: Optional[str] = typer.Option(None, envvar="PDSERVE_TLS_CA_FILE",
+                                              help="connect over TLS, verifying the server against this CA (router.tls_*)"),
     local: bool = typer.Option(False, help="bring up the embedded default if nothing is running"),
     config: Optional[Path] = typer.Option(None, help="cluster.yaml used by --local"),
     model: Optional[str] = typer.Option(None, help=MODEL_HELP + "; used by --local"),
@@ -235,7 +239,7 @@ def generate(
     import grpc
 
     endpoint = endpoint or _read_state().get("endpoint", DEFAULT_ENDPOINT)
-    if local and not _healthy(endpoint):
+    if local and not _healthy(endpoint, tls_ca_file):
         endpoint = _up(config, None, model)
     params = {"max_tokens": max_tokens, "temperature": temperature}
     if seed is not None:
@@ -245,7 +249,7 @@ def generate(
     first_at = last_at = None
     num_tokens, finish, num_prompt = 0, "", 0
     try:
-        with Client(endpoint) as client:
+        with Client(endpoint, tls_ca_file=tls_ca_file) as client:
             for chunk in client.stream(**request, **params):
                 now = time.perf_counter()
                 if chunk.token_ids:
@@ -258,7 +262,8 @@ def generate(
     except grpc.RpcError as e:
         typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)
         if e.code() == grpc.StatusCode.UNAVAILABLE:
-            typer.echo("Is pdserve running? Start it with `pdserve up`, or use --local.", err=True)
+            typer.echo("Is pdserve running? Start it with `pdserve up`, or use --local. If it serves TLS "
+                       "(router.tls_*), pass --tls-ca-file.", err=True)
         raise typer.Exit(1)
     sys.stdout.write("\n")
     ttft = f"{(first_at - start) * 1e3:.0f} ms" if first_at else "n/a"
