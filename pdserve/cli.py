@@ -86,7 +86,9 @@ def _replica_failure() -> str | None:
     try:
         from ray import serve
 
-        app = serve.status().applications.get("pdserve")
+        from pdserve.deploy import APP_NAME
+
+        app = serve.status().applications.get(APP_NAME)
         failed = {name: d.message for name, d in (app.deployments.items() if app else ()) if d.status not in ("HEALTHY", "UPDATING", "UPSCALING", "DOWNSCALING")}
     except Exception:  # noqa: BLE001 - the status is a nicety: Ray's own message stands without it
         return None

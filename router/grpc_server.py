@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GRACE_S = 5.0  # on stop, streams in flight get this long before they are cancelled
-
 
 class _Generator(generate_pb2_grpc.GeneratorServicer):
     def __init__(self, router: "Router"):
@@ -94,6 +92,3 @@ class GrpcFrontDoor:
         """Start serving, from the event loop the replica runs its requests on."""
         self._started = asyncio.get_running_loop().create_task(self.server.start())
         log.info("client gRPC API on %s", self.address)
-
-    async def stop(self) -> None:
-        await self.server.stop(GRACE_S)
