@@ -38,9 +38,18 @@ def _pool_options(name: str, pool: PoolConfig) -> dict:
     }
 
 
+def holder_router_config():
+    """Ray Serve's request router for a pool whose calls by request id (decode's abort,
+    prefill's release) must reach the replica holding the request: router/holder_routing.py."""
+    from ray.serve.config import RequestRouterConfig
+
+    return RequestRouterConfig(request_router_class="router.holder_routing.HolderAwareRouter")
+
+
 def prefix_router_config(pool: PoolConfig):
-    """Ray Serve's request router for the prefill pool: router/prefix_routing.py, told the
-    pool's block size and (roughly) its KV pool in blocks."""
+    """Ray Serve's request router for the prefill pool: router/prefix_routing.py (which also
+    sends releases by id to their holder), told the pool's block size and (roughly) its KV
+    pool in blocks."""
     from ray.serve.config import RequestRouterConfig
 
     tokens = pool.kv_cache_tokens or 32768
@@ -73,13 +82,14 @@ def build_app(cfg: ClusterConfig) -> serve.Application:
     config = app_config(cfg)
     if cfg.mode == "colocated":
         prefill = None
-        decode = serve.deployment(DecodeServer).options(**_pool_options("colocated", cfg.colocated)).bind(config, "colocated")
+        decode = serve.deployment(DecodeServer).options(**_pool_options("colocated", cfg.colocated),
+                                                        request_router_config=holder_router_config()).bind(config, "colocated")
     else:
         options = _pool_options("prefill", cfg.prefill)
-        if cfg.router.prefix_routing:
-            options["request_router_config"] = prefix_router_config(cfg.prefill)
+        options["request_router_config"] = prefix_router_config(cfg.prefill) if cfg.router.prefix_routing else holder_router_config()
         prefill = serve.deployment(PrefillServer).options(**options).bind(config)
-        decode = serve.deployment(DecodeServer).options(**_pool_options("decode", cfg.decode)).bind(config)
+        decode = serve.deployment(DecodeServer).options(**_pool_options("decode", cfg.decode),
+                                                        request_router_config=holder_router_config()).bind(config)
     router = serve.deployment(Router).options(
         name="router",
         num_replicas=cfg.router.num_replicas,

@@ -17,8 +17,9 @@ What a replica caches is tracked here, by the engine's own block hashes
 of every prompt routed to it, least recently used evicted past ``capacity_blocks`` (its
 KV pool). It is an estimate (a replica may have evicted more), as Dynamo's and SGLang's
 approximate routers are. Replicas rank by cost; Ray Serve takes the first rank that
-has room (``max_ongoing_requests``), the shorter queue among equal costs. Calls without
-a prompt (lease releases, stats) may go to any replica.
+has room (``max_ongoing_requests``), the shorter queue among equal costs. A lease release
+by request id goes to the replica the request was routed to (router/holder_routing.py);
+other calls without a prompt (stats) may go to any replica.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from pdserve.engine.block_manager import chain_hash
+from router.holder_routing import HolderAwareRouter
 
 
 def block_hashes(prompt_ids: list[int], block_size: int) -> list[bytes]:
@@ -79,13 +81,14 @@ def prompt_of(request: PendingRequest | None) -> list[int] | None:
     return None
 
 
-class PrefixAwareRouter(RequestRouter):
+class PrefixAwareRouter(HolderAwareRouter):
     """Ray Serve request router for the prefill pool (``router.prefix_routing``); see the module doc.
 
     ``initialize_state`` kwargs (``request_router_kwargs``): block_size (tokens per KV block,
     the pool's) and capacity_blocks (a replica's KV pool, in blocks)."""
 
     def initialize_state(self, block_size: int = 16, capacity_blocks: int = 2048, **kwargs) -> None:
+        super().initialize_state()
         self.block_size = block_size
         self.index = PrefixIndex(capacity_blocks)
         self.queued: dict[ReplicaID, int] = {}  # prompt tokens routed to each replica and not done
@@ -103,8 +106,12 @@ class PrefixAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        holder = self.holder_of(candidate_replicas, pending_request)
+        if holder is not None:  # a release by id: where the lease is
+            self.num_routed_to_holder += 1
+            return [[holder]]
         prompt = prompt_of(pending_request)
-        if prompt is None:  # not a prefill (a release, stats): any, Ray Serve takes the shorter queue
+        if prompt is None:  # not a prefill (stats, an id routed elsewhere): any, Ray Serve takes the shorter queue
             return [list(candidate_replicas)]
         ranks: list[list[RunningReplica]] = []
         last = None
@@ -117,6 +124,7 @@ class PrefixAwareRouter(RequestRouter):
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
         prompt = prompt_of(pending_request)
         if prompt is None:
             return

@@ -226,8 +226,9 @@ class RequestPath:
 
         With the handle, over the KV channel to the replica that holds the lease (a Ray Serve
         call would go to any replica of the pool); with the id alone (the reply, and with it
-        the handle, was lost), or where there is no KV channel (loopback), through Ray Serve,
-        outside this request's context: when a request is cancelled, Ray Serve cancels its
+        the handle, was lost), or where there is no KV channel (loopback), through Ray Serve
+        to the replica the prefill call was routed to (router/holder_routing.py), outside
+        this request's context: when a request is cancelled, Ray Serve cancels its
         child calls not yet assigned to a replica, and this one must run."""
         if isinstance(kv, KVHandle) and self.kv_releaser is not None and kv.backend != "loopback":
             done = asyncio.get_running_loop().run_in_executor(None, self._release_at_holder, kv)
@@ -241,9 +242,9 @@ class RequestPath:
         that cancel now and then under load (a fresh-clone trial on 2026-12-01: 3 of ~18 runs of
         16 streams whose clients left, 1-5 requests each, decoded on to max_tokens, their
         decode call never cancelled). Fire and forget, outside this request's context (see
-        _release); with several decode replicas it reaches the one running the request only by
-        chance, as prefill's release by id does (an abort that finds nothing is remembered
-        there a while, decode_worker/server.py)."""
+        _release). It goes to the decode replica the request was routed to
+        (router/holder_routing.py); an abort that finds nothing there is remembered a while
+        (decode_worker/server.py)."""
         contextvars.Context().run(self.decode.abort.remote, request_id)
 
     def _release_at_holder(self, handle: KVHandle) -> None:

@@ -1,7 +1,12 @@
-"""A storm of gRPC cancels on 2 prefill + 2 decode replicas: 64 SDK streams, each cancelled
-at a random stage (before its first token, right after it, mid-stream). Within 5 s of the
-last cancel every replica of both pools is back at baseline: no request running or waiting,
-no KV lease held, no block used, and the router has nothing in flight."""
+"""Cancels on 2 prefill + 2 decode replicas.
+
+- A storm of gRPC cancels: 64 SDK streams, each cancelled at a random stage (before its
+  first token, right after it, mid-stream). Within 5 s of the last cancel every replica of
+  both pools is back at baseline: no request running or waiting, no KV lease held, no block
+  used, and the router has nothing in flight.
+- Calls by request id (decode's abort, prefill's release: the router's backstops) reach the
+  replica that holds the request (router/holder_routing.py), 8 of 8 each: by chance that
+  would be 1 in 256."""
 
 from __future__ import annotations
 
@@ -48,6 +53,30 @@ def idle(prefill: dict, decode: dict, router: dict) -> bool:
     return (all(s["num_running"] == s["num_waiting"] == s["num_held"] == 0 and s["num_free_blocks"] == s["num_blocks"] for s in prefill.values())
             and all(s["num_running"] == s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_blocks"] for s in decode.values())
             and router["num_in_flight"] == 0)
+
+
+def test_aborts_and_releases_by_id_reach_the_replica_that_holds_the_request(cluster):
+    from ray import serve
+
+    from pdserve.messages import DecodeRequest, PrefillRequest
+    from pdserve.sampling import SamplingParams
+
+    decode, prefill = serve.get_deployment_handle("decode", "pdserve"), serve.get_deployment_handle("prefill", "pdserve")
+    prompt = lambda i: [2000 + i * 13 + k for k in range(40)]  # noqa: E731
+    streams = {f"held-d{i}": decode.options(stream=True).generate.remote(
+        DecodeRequest(f"held-d{i}", prompt(i), None, SamplingParams(max_tokens=500, ignore_eos=True), None)) for i in range(8)}
+    for stream in streams.values():
+        next(stream)  # the first token: decoding now, on one of the two replicas
+    assert [decode.abort.remote(rid).result(timeout_s=30) for rid in streams] == [True] * 8
+    for stream in streams.values():
+        chunks = list(stream)
+        assert chunks[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in chunks) < 499
+    results = [prefill.prefill.remote(PrefillRequest(f"held-p{i}", prompt(i), SamplingParams(max_tokens=8))).result(timeout_s=60)
+               for i in range(8)]
+    assert all(r.kv is not None for r in results)  # each leased on one of the two replicas
+    assert [prefill.release.remote(f"held-p{i}").result(timeout_s=30) for i in range(8)] == [True] * 8
+    assert sum(s["num_aborted_by_id"] for s in replica_stats("decode").values()) == 8
+    assert all(s["num_held"] == 0 for s in replica_stats("prefill").values())
 
 
 def test_64_cancels_at_random_stages_leave_every_replica_idle(cluster):
