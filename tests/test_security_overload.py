@@ -1,5 +1,6 @@
 """Security and overload on a real cluster: TLS on both client APIs (a plaintext client and
-one trusting another CA are refused), the API key over it on gRPC and HTTP, the KV channel's
+one trusting another CA are refused), client certificates on gRPC (mTLS: a client without
+one, or with one from another CA, is refused), the API key over it on gRPC and HTTP, the KV channel's
 shared secret, request size limits, admission control with a retry hint, and a bounded soak
 at twice the measured capacity that ends with nothing hung or leaked."""
 
@@ -33,10 +34,10 @@ def cluster(tmp_path_factory):
     TLS.update(cert=cert, key=key, ca=ca)
     yield from serve_cluster({
         "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "max_in_flight": MAX_IN_FLIGHT, "retry_after_s": 0.5,
-                   "max_request_bytes": 65536, "tls_cert_file": cert, "tls_key_file": key},
+                   "max_request_bytes": 65536, "tls_cert_file": cert, "tls_key_file": key, "tls_client_ca_file": ca},
         "security": {"api_key": API_KEY, "kv_secret": "kv-test-secret"},
         "kv_transfer": {"backend": "grpc", "on_fault": "fail"},  # a refused KV secret would fail the request, not hide
-    }, api_key=API_KEY, client_kwargs={"tls_ca_file": ca})
+    }, api_key=API_KEY, client_kwargs={"tls_ca_file": ca, "tls_cert_file": cert, "tls_key_file": key})
 
 
 def pool_stats(name: str) -> dict:
@@ -45,10 +46,14 @@ def pool_stats(name: str) -> dict:
     return serve.get_deployment_handle(name, "pdserve").stats.remote().result(timeout_s=30)
 
 
-def client(api_key: str | None = API_KEY, retries: int = 0, ca: str | None = None):
+def client(api_key: str | None = API_KEY, retries: int = 0, ca: str | None = None, cert: tuple[str, str] | None = None):
+    """An SDK client over TLS trusting ``ca`` (the module's CA), presenting ``cert`` ((cert
+    file, key file); the module's by default, () for none)."""
     from pdserve.client import Client
 
-    return Client(f"127.0.0.1:{GRPC_PORT}", api_key=api_key, retries=retries, tls_ca_file=ca or TLS["ca"])
+    cert_file, key_file = (TLS["cert"], TLS["key"]) if cert is None else (cert or (None, None))
+    return Client(f"127.0.0.1:{GRPC_PORT}", api_key=api_key, retries=retries, tls_ca_file=ca or TLS["ca"],
+                  tls_cert_file=cert_file, tls_key_file=key_file)
 
 
 def https() -> ssl.SSLContext:
@@ -82,6 +87,17 @@ def test_tls_refuses_plaintext_and_a_client_that_trusts_another_ca(cluster, tmp_
     with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
         urllib.request.urlopen(f"https://127.0.0.1:{HTTP_PORT}/health", timeout=10, context=ssl.create_default_context(cafile=other_ca))
     with client() as c:  # the right CA: served, the API key checked over TLS (below, too)
+        assert len(c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids) == 2
+
+
+def test_grpc_with_a_client_ca_refuses_clients_without_a_certificate_from_it(cluster, tmp_path):
+    other_cert, other_key, _ = make_tls(tmp_path)  # a client certificate signed by another CA
+    for cert in ((), (other_cert, other_key)):
+        with client(cert=cert) as c, pytest.raises(grpc.RpcError) as info:
+            c.generate(prompt_token_ids=PROMPT, max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+    with client() as c:  # a certificate from router.tls_client_ca_file
+        c.health(timeout_s=10)
         assert len(c.generate(prompt_token_ids=PROMPT, max_tokens=2).token_ids) == 2
 
 
