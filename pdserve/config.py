@@ -65,6 +65,9 @@ class RouterConfig:
     # admission control: requests one router replica admits at once; the next ones get
     # RESOURCE_EXHAUSTED / HTTP 429 with a retry hint of retry_after_s
     max_in_flight: int = 256
+    # ... and while requests queue: the quickest start of decoding (a request's second token)
+    # of the last 2 s took longer than this many seconds (router/admission.py; null = never)
+    max_queue_s: float | None = 10.0
     retry_after_s: float = 1.0
     max_request_bytes: int = 4 << 20  # a larger HTTP body or gRPC request is refused
     # a request whose prefill replica dies is sent again, and one whose decode replica dies
@@ -299,6 +302,8 @@ class ClusterConfig:
             raise ConfigError("router.max_retries and router.retry_backoff_s must be >= 0")
         if self.router.max_in_flight < 1 or self.router.max_request_bytes < 1024 or not self.router.retry_after_s > 0:
             raise ConfigError("router.max_in_flight must be >= 1, router.max_request_bytes >= 1024 and router.retry_after_s > 0")
+        if self.router.max_queue_s is not None and not self.router.max_queue_s > 0:
+            raise ConfigError(f"router.max_queue_s must be > 0 seconds or null (never refuse for the queue), not {self.router.max_queue_s!r}")
         for key in ("api_key", "kv_secret"):
             value = getattr(self.security, key)
             if value is not None and (not isinstance(value, str) or not value or value == "env:"):

@@ -86,7 +86,6 @@ class Router:
         self.created = int(time.time())
         self.metrics = RouterMetrics(self.model_name)
         r = self.cfg.router
-        self.admission = Admission(r.max_in_flight, r.retry_after_s, r.max_request_bytes, self.cfg.security.api_key)
         # prefill: DeploymentHandle of PrefillServer (None in colocated mode); decode: of DecodeServer
         decode_pool = self.cfg.colocated if self.cfg.mode == "colocated" else self.cfg.decode
         self.path = RequestPath(prefill, decode,
@@ -96,6 +95,8 @@ class Router:
                                 make_receiver(self.cfg.kv_transfer, secret=self.cfg.security.kv_secret) if prefill is not None else None,
                                 PrefillPlacement(r.local_prefill_max_tokens, r.local_prefill_queue_s, r.max_local_prefills,
                                                  lambda where: self.metrics.placement.inc(tags={"where": where})))
+        self.admission = Admission(r.max_in_flight, r.retry_after_s, r.max_request_bytes, self.cfg.security.api_key,
+                                   r.max_queue_s, self.path.placement.prefill_wait_s)
         tls = (r.tls_cert_file, r.tls_key_file, r.tls_client_ca_file) if r.tls_cert_file else None
         self.grpc = GrpcFrontDoor(self, r.host, r.grpc_port, r.max_request_bytes, r.client_keepalive_s, tls)
         self.grpc.start()  # Ray Serve runs this constructor on the replica's event loop
@@ -228,14 +229,14 @@ class Router:
     async def _generate(
         self, request_id: str, client_request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[pb.GenerateResponse]:
-        self.admission.admit()  # CapacityError here, before anything is spent, when the router is full
+        self.admission.admit(request_id)  # CapacityError here, before anything is spent, when the router is full or queued
         chunks = self._generate_admitted(request_id, client_request_id, prompt_ids, params)
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
             await chunks.aclose()  # at once: a client that left frees both pools now
-            self.admission.release()
+            self.admission.release(request_id)
 
     async def _generate_admitted(
         self, request_id: str, client_request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -258,6 +259,8 @@ class Router:
                 last_token_at = now
                 self.metrics.generation_tokens.inc(len(token_ids))
             num_generated += len(token_ids)
+            if num_generated >= 2 or finish_reason:  # decode's first token (prefill samples the first), or the end
+                self.admission.decoding(request_id)
             text = stop.push(detok.add(token_ids) + (detok.finish() if finish_reason else ""))
             if stop.matched is not None:
                 finish_reason = "stop"
