@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     from pdserve.deploy import deploy
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=18.0, help="load time over all phases (capacity runs and set-up extra)")
+    parser.add_argument("--minutes", type=float, default=16.0, help="load time over all phases (capacity runs and set-up extra)")
     parser.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the measured capacity")
     parser.add_argument("--backends", nargs="+", default=["shm", "grpc"])
     parser.add_argument("--concurrency", type=int, default=6, help="clients of the closed loop that measures capacity")
