@@ -80,6 +80,7 @@ def measure(model_name: str, dtype: str, lengths: list[int], repeats: int) -> li
     the serial transfer's own seconds, and the fraction hidden."""
     from kv_transfer.client import KVClient
     from kv_transfer.paged import PagedKVSink
+    from pdserve.engine.allocator import keep_freed_memory
     from pdserve.engine.block_manager import BlockManager
     from pdserve.engine.kv_cache import PagedKVCache
 
@@ -92,6 +93,7 @@ def measure(model_name: str, dtype: str, lengths: list[int], repeats: int) -> li
     try:
         spec = parent.recv()
         num_blocks = -(-max(lengths) // BLOCK_SIZE) + 8
+        keep_freed_memory()  # as in a decode worker, whose engine sets it (the prefill side's Engine does)
         cache, manager, client = PagedKVCache(spec, num_blocks, BLOCK_SIZE), BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False), KVClient("grpc")
         for num_tokens in lengths:
             runs: dict[str, list[dict]] = {"serial": [], "layerwise": []}

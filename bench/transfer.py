@@ -31,6 +31,7 @@ import torch
 
 from bench import hardware
 from bench.overlap import measure as measure_overlap
+from pdserve.engine.allocator import keep_freed_memory
 
 BLOCK_SIZE = 16
 
@@ -39,13 +40,15 @@ def _serve(conn, spec_args, num_blocks: int, shm_path: str) -> None:
     """Sender process: fill the pool with random KV, then put transfers on request."""
     from kv_transfer.paged import PagedKVSource
     from kv_transfer.server import KVServer
+    from kv_transfer.shm_backend import ShmPoolMemory
     from pdserve.engine.block_manager import BlockManager
     from pdserve.engine.kv_cache import PagedKVCache
     from pdserve.kv_layout import KVSpec
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # as in a worker, whose engine sets it
     spec = KVSpec(*spec_args[:3], getattr(torch, spec_args[3]))
-    cache = PagedKVCache(spec, num_blocks, BLOCK_SIZE, shm_path=shm_path)
+    cache = PagedKVCache(spec, num_blocks, BLOCK_SIZE, memory=ShmPoolMemory(shm_path, spec, num_blocks, BLOCK_SIZE))
     cache.k.copy_(torch.randn(cache.k.shape).to(spec.dtype))
     cache.v.copy_(torch.randn(cache.v.shape).to(spec.dtype))
     manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
@@ -131,6 +134,7 @@ def measure_transfers(spec, lengths: list[int], backends: list[str], repeats: in
     proc = ctx.Process(target=_serve, args=(child, (spec.num_layers, spec.num_kv_heads, spec.head_dim, str(spec.dtype).removeprefix("torch.")), num_blocks, shm_path), daemon=True)
     proc.start()
     parent.recv()  # the server's address: it is up
+    keep_freed_memory()  # as in a worker, whose engine sets it
     dst = PagedKVCache(spec, num_blocks, BLOCK_SIZE)
     manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
     results, counter = [], 0

@@ -18,7 +18,7 @@ from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import CapacityError, FirstTokenMissingError, KVAuthError, KVIncompatibleError, KVTransferError, PrefillEndedError
-from pdserve.messages import DecodeRequest, TokenChunk
+from pdserve.messages import DecodeRequest, FreshRequest, LayerwiseKV, Migrated, TokenChunk, WithKV
 from pdserve.metrics import PoolMetrics
 from pdserve.worker import PREFILL_DEADLINE_S, build_engine, replica_name, rss_bytes
 
@@ -108,7 +108,8 @@ class DecodeServer:
             self.engine.free_blocks(call.result())
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
-        """Stream the tokens after ``request.first_token``.
+        """Stream the request's tokens: after prefill's first token (WithKV, LayerwiseKV), after
+        those already streamed (Migrated), or all of them (FreshRequest).
 
         Raises InvalidRequestError for a request over the shared limits,
         KVTransferError if the KV cannot be fetched, CapacityError if the pool has
@@ -120,19 +121,18 @@ class DecodeServer:
         if request.request_id in self._aborted:  # the router gave up on it already (abort); it releases prefill's KV
             return
         self.loop.raise_if_stalled()  # before fetching KV into a replica that cannot run it
-        timeout_s = self.cfg.kv_transfer.timeout_s
-        num_prompt = len(request.prompt_ids)
-        if request.kv is None and request.first_token is None:  # colocated: prefill here, first token included
-            seq, blocks = Sequence(request.request_id, list(request.prompt_ids), num_prompt, request.params), []
-        elif request.kv is None:  # migrated: recompute the prompt and the tokens already streamed, go on after them
-            self.num_migrated_in += 1
-            done = [*request.prompt_ids, request.first_token, *request.resume_ids]
-            seq, blocks = Sequence(request.request_id, done, num_prompt, request.params), []
-        else:
-            received = await self._receive(request, num_prompt, timeout_s)
-            if received is None:  # layer-wise: prefill finished the request itself, nothing to decode
-                return
-            seq, blocks = received
+        match request:
+            case WithKV() | LayerwiseKV():
+                received = await self._receive(request)
+                if received is None:  # layer-wise: prefill finished the request itself, nothing to decode
+                    return
+                seq, blocks = received
+            case Migrated():
+                seq, blocks = self._migrated(request), []
+            case FreshRequest():
+                seq, blocks = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params), []
+            case _:
+                raise TypeError(f"not a decode request: {type(request).__name__}")
         if request.request_id in self._aborted:  # the router gave up on it before it got here
             self.engine.free_blocks(blocks)
             return
@@ -145,12 +145,18 @@ class DecodeServer:
         finally:
             await run.aclose()
 
-    async def _receive(self, request: DecodeRequest, num_prompt: int, timeout_s: float) -> tuple[Sequence, list[int]] | None:
+    def _migrated(self, request: Migrated) -> Sequence:
+        """Its replica died mid-stream: recompute the prompt and the tokens already streamed here, and go on after them."""
+        self.num_migrated_in += 1
+        return Sequence(request.request_id, [*request.prompt_ids, *request.streamed], len(request.prompt_ids), request.params)
+
+    async def _receive(self, request: WithKV | LayerwiseKV) -> tuple[Sequence, list[int]] | None:
         """Reserve blocks and fetch the prompt's KV into them; on a fault, recompute or raise
         (kv_transfer.on_fault). Returns the sequence to run and the blocks it holds, or None
         when a layer-wise prefill finished the request at its first token."""
+        num_prompt, timeout_s = len(request.prompt_ids), self.cfg.kv_transfer.timeout_s
         blocks = await self._reserve(num_prompt, time.monotonic() + min(timeout_s, self.pool_cfg.max_kv_wait_s))
-        first_token = request.first_token
+        first_token = request.first_token if isinstance(request, WithKV) else None
         if first_token is None:  # layer-wise: the fetch also waits for prefill to compute the KV
             timeout_s += PREFILL_DEADLINE_S
         try:

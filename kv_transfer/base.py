@@ -16,29 +16,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from pdserve.kv_layout import KVSpec
+from pdserve.messages import KVHandle  # noqa: F401 - the handle every backend passes: a message (pdserve/messages.py)
 
 if TYPE_CHECKING:
     from kv_transfer.lease import LeaseTable
-
-
-@dataclass(frozen=True)
-class KVHandle:
-    """Where one prompt's KV can be fetched from. Passed prefill -> router -> decode."""
-
-    backend: str  # the sender's configured backend: "grpc", "shm", "auto" or "loopback"
-    address: str  # "host:port" of the sender's KV server ("loopback:<id>" in-process)
-    transfer_id: str
-    num_tokens: int  # prompt tokens covered by the KV
-    node_id: str = ""  # the sender's node; shm needs the receiver on the same one
-    shm_path: str = ""  # the sender's shared-memory KV pool, where it offers shm
-    instance_id: str = ""  # the sender process; a restart changes it (new handshake)
-    cuda_ipc: bool = False  # the sender's pool is on a GPU and exportable over CUDA IPC
 
 
 class KVSource(ABC):

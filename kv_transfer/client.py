@@ -20,7 +20,6 @@ from kv_transfer.security import channel as channel_to
 from kv_transfer.security import with_secret
 from kv_transfer.base import KVHandle, KVReceiver, KVSink
 from kv_transfer.fingerprint import KVFingerprint
-from kv_transfer.malloc import keep_large_allocations
 from kv_transfer.grpc_backend import FRAME_OPTIONS, MAX_MESSAGE_BYTES, receive_stream
 from kv_transfer.server import PREFILL_ENDED, fingerprint_to_proto
 from kv_transfer.cuda_ipc_backend import CudaIpcReader
@@ -40,7 +39,6 @@ class KVClient(KVReceiver):
                  tls_ca_file: str | None = None, tls_server_name: str | None = None):
         if mode not in ("grpc", "shm", "cuda_ipc", "auto"):
             raise ValueError(f"unknown KV receive mode {mode!r}")
-        keep_large_allocations()
         self.mode = mode
         self.fingerprint = fingerprint
         self.node_id = node_id

@@ -3,7 +3,7 @@
 The shape of the shm backend, on GPU memory:
 
 1. A prefill worker on a GPU allocates its KV pool's k and v as one cudaMalloc each,
-   through cupy (``exportable_zeros``), so each can be exported: cudaIpcGetMemHandle gives
+   through cupy (``CudaIpcPoolMemory``, the engine's PoolMemory), so each can be exported: cudaIpcGetMemHandle gives
    a 64-byte handle per allocation. ``DescribeKV`` returns both handles with the
    transfer's block ids; the sender starts checksumming those blocks on its GPU.
 2. The decode worker opens each sender's handles once (cudaIpcOpenMemHandle, cached per
@@ -18,7 +18,7 @@ for cupy-cuda13x: any cupy build works). CUDA
 runtime IPC: https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__DEVICE.html
 (cudaIpcGetMemHandle, cudaIpcOpenMemHandle); cupy: ``cupy.cuda.runtime``.
 
-Not yet run on a GPU: written in a session without one; tests/test_gpu.py checks it.
+Not yet run on a GPU: written in a session without one; tests/gpu/test_gpu.py checks it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections import OrderedDict
 import torch
 
 from kv_transfer.base import KVSink
-from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.kv_cache import PagedKVCache, PoolMemory
 from pdserve.errors import KVTransferError
 
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
@@ -67,6 +67,16 @@ def exportable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
         tensor.zero_()
         handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(memory.ptr))
     return tensor, handle
+
+
+class CudaIpcPoolMemory(PoolMemory):
+    """A GPU KV pool whose k and v are each one cudaMalloc allocation, exportable over CUDA
+    IPC (``ipc_handles``). Its ``allocate`` raises ImportError without cupy."""
+
+    def allocate(self, shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        (k, hk), (v, hv) = (exportable_zeros(shape, dtype, device) for _ in range(2))
+        self.ipc_handles = (hk, hv)
+        return k, v
 
 
 def layer_checksum(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> int:

@@ -27,7 +27,6 @@ from kv_transfer.security import SecretCheck, secure_port
 from kv_transfer.base import KVHandle, KVSender, KVSource
 from kv_transfer.faults import FaultInjector
 from kv_transfer.fingerprint import KVFingerprint
-from kv_transfer.malloc import keep_large_allocations
 from kv_transfer.grpc_backend import FRAME_OPTIONS, MAX_MESSAGE_BYTES, iter_chunks
 from kv_transfer.lease import LeaseTable
 from kv_transfer.progress import KVNotReadyError
@@ -166,7 +165,6 @@ class KVServer(KVSender):
                  block_size: int = 0, shm_path: str | None = None, cuda_ipc: bool = False, node_id: str = "", max_workers: int = 128,
                  secret: str | None = None,
                  tls_cert_file: str | None = None, tls_key_file: str | None = None):
-        keep_large_allocations()
         self.table = LeaseTable()
         self.chunk_bytes = chunk_bytes
         self.backend = backend

@@ -5,7 +5,7 @@ usual way its payload is copied three times on the sender (tensor -> bytes -> me
 serialized) and twice on the receiver; here each chunk is encoded straight from the
 tensors' memory into one bytes object (one copy), and decoded into memoryviews of the
 received bytes (no copy). The bytes are standard protobuf: ``FetchKVResponse.FromString``
-parses them too (tests/test_kv_transfer.py checks both ways).
+parses them too (tests/unit/test_kv_transfer.py checks both ways).
 
 Protobuf encoding: https://protobuf.dev/programming-guides/encoding/
 """

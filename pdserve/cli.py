@@ -47,9 +47,15 @@ def _ray_cli() -> str:
     return str(local) if local.exists() else "ray"
 
 
-def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _connect_ray(address: str | None, metrics_export_port: int = 8080, host: str = "127.0.0.1") -> bool:
     """Join ``address`` (or a running local cluster), else start a local head (its Prometheus
-    metrics on ``metrics_export_port``). True if we started it."""
+    metrics on ``metrics_export_port``). True if we started it. A head started for client
+    APIs on loopback (``host``, router.host) runs on loopback too, so its metrics endpoint
+    listens there (Ray binds it to the node's address when that is loopback, else to all)
+    and no other machine can join it."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -73,7 +79,7 @@ def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
            "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": os.environ.get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")}
     subprocess.run(
         [_ray_cli(), "start", "--head", "--disable-usage-stats", "--include-dashboard=false", f"--num-cpus={os.cpu_count()}",
-         f"--metrics-export-port={metrics_export_port}"],
+         f"--metrics-export-port={metrics_export_port}", *(["--node-ip-address=127.0.0.1"] if host in LOOPBACK else [])],
         check=True, stdout=subprocess.DEVNULL, env=env,
     )
     ray.init(address="auto", log_to_driver=False)
@@ -135,7 +141,7 @@ def _up(config: Path | None, address: str | None, model: str | None = None, rede
         check_pools(cfg, AutoConfig.from_pretrained(model_dir), dtype)
     except ConfigError as e:
         raise _fail(str(e))
-    started_now = _connect_ray(address or cfg.ray.address, cfg.ray.metrics_export_port)
+    started_now = _connect_ray(address or cfg.ray.address, cfg.ray.metrics_export_port, cfg.router.host)
     started_ray = started_now or _read_state().get("started_ray", False)
     typer.echo("Deploying router, prefill and decode pools (each replica loads the model) ...", err=True)
     start = time.perf_counter()
@@ -311,6 +317,22 @@ def render_kuberay(
     typer.echo(dump(kuberay(_render_config(config), image, ray.__version__, secret_name)), nl=False)
 
 
+def _bench(name: str):
+    """``bench.<name>`` from the pdserve checkout this package runs from: bench/ is not in
+    the wheel. Exits with a clear error where there is no checkout."""
+    import importlib
+
+    root = Path(__file__).resolve().parents[1]
+    if (root / "bench" / "__init__.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module(f"bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("bench", f"bench.{name}"):
+            raise
+        raise _fail(f"`pdserve bench` and `pdserve tune` run from a pdserve checkout (bench/ is not in the wheel); none at {root}")
+
+
 bench_app = typer.Typer(help="Benchmarks against a running endpoint.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -320,7 +342,7 @@ def bench_serve(ctx: typer.Context) -> None:
     """Load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, SLO attainment); --help for options."""
     import argparse
 
-    from bench import serve as bench_serve_module
+    bench_serve_module = _bench("serve")
 
     parser = argparse.ArgumentParser(prog="pdserve bench serve", description=bench_serve_module.__doc__.split("\n\n")[0])
     bench_serve_module.add_arguments(parser)
@@ -330,17 +352,13 @@ def bench_serve(ctx: typer.Context) -> None:
 @bench_app.command("goodput", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def bench_goodput(ctx: typer.Context) -> None:
     """Highest request rate meeting both SLOs for 90% of requests (rate sweep); --help for options."""
-    from bench import goodput
-
-    goodput.main(ctx.args)
+    _bench("goodput").main(ctx.args)
 
 
 @app.command("tune", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def tune(ctx: typer.Context) -> None:
     """Recommend the prefill:decode split for a workload and SLOs (profile + simulation); --help for options."""
-    from bench import tune as tune_module
-
-    tune_module.main(ctx.args)
+    _bench("tune").main(ctx.args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,26 @@
-"""Typed messages between the router and the worker pools (carried by Ray Serve handles)."""
+"""Typed messages between the router and the worker pools (carried by Ray Serve handles),
+and the KV handle they pass along: both pools and the router import them, and kv_transfer/
+builds on them, not the other way round."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_transfer.base import KVHandle
 from pdserve.sampling import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Where one prompt's KV can be fetched from. Passed prefill -> router -> decode."""
+
+    backend: str  # the sender's configured backend: "grpc", "shm", "auto" or "loopback"
+    address: str  # "host:port" of the sender's KV server ("loopback:<id>" in-process)
+    transfer_id: str
+    num_tokens: int  # prompt tokens covered by the KV
+    node_id: str = ""  # the sender's node; shm needs the receiver on the same one
+    shm_path: str = ""  # the sender's shared-memory KV pool, where it offers shm
+    instance_id: str = ""  # the sender process; a restart changes it (new handshake)
+    cuda_ipc: bool = False  # the sender's pool is on a GPU and exportable over CUDA IPC
 
 
 @dataclass
@@ -36,19 +51,44 @@ class PrefillResult:
 
 
 @dataclass
-class DecodeRequest:
-    """Disaggregated: the first token and the KV handle from prefill; layer-wise, only the
-    handle (``first_token`` None: it arrives with the KV, after its last layer). Colocated (or any
-    worker asked to do it all): both None, and the worker prefills and samples token 1 itself.
-    Migrated (its decode replica died mid-stream): ``first_token`` and ``resume_ids`` are the
-    tokens already streamed, ``kv`` None; the worker recomputes their KV and goes on after them."""
-
+class _DecodeCall:
     request_id: str
     prompt_ids: list[int]
-    first_token: int | None  # sampled by prefill; decode continues after it (None: comes with layer-wise KV)
     params: SamplingParams
-    kv: KVHandle | None
-    resume_ids: tuple[int, ...] = ()  # migration: tokens generated after first_token, already streamed
+
+
+@dataclass
+class FreshRequest(_DecodeCall):
+    """Decode prefills the prompt itself, first token included (colocated, or prefilled on
+    decode by choice: router/placement.py)."""
+
+
+@dataclass
+class WithKV(_DecodeCall):
+    """Prefill computed the prompt's KV (held at ``kv``) and sampled ``first_token``; decode
+    fetches the KV and goes on after that token."""
+
+    first_token: int
+    kv: KVHandle
+
+
+@dataclass
+class LayerwiseKV(_DecodeCall):
+    """Prefill is computing the prompt's KV now (``kv.layerwise``): decode fetches each layer
+    as it is done, and the first token comes with the last one."""
+
+    kv: KVHandle
+
+
+@dataclass
+class Migrated(_DecodeCall):
+    """The request's decode replica died mid-stream: decode recomputes the prompt and
+    ``streamed`` (every token the client has, at least one) and goes on after them."""
+
+    streamed: tuple[int, ...]
+
+
+DecodeRequest = FreshRequest | WithKV | LayerwiseKV | Migrated  # what the decode pool's generate takes
 
 
 @dataclass

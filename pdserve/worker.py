@@ -124,24 +124,28 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
     spec = KVSpec.from_model_config(model.config, model.dtype)
     config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name, cfg.model.backend)
     fingerprint = KVFingerprint.of(model, tokenizer, cfg.model.path, config.block_size)
-    shm_path, cuda_ipc = None, False
+    memory, where = None, f"private {device} memory"  # where the KV pool lives: one a same-node peer can map, for a sender
     if cfg.kv_transfer.backend == "cuda_ipc" and device != "cuda":
         raise ConfigError("kv_transfer.backend cuda_ipc needs both pools on GPUs (model.device, ray_actor_options.num_gpus)")
     if pool_name == "prefill" and device == "cuda" and cfg.kv_transfer.backend in ("cuda_ipc", "auto"):
         from kv_transfer import cuda_ipc_backend
 
-        cuda_ipc = cuda_ipc_backend.available()
-        if not cuda_ipc and cfg.kv_transfer.backend == "cuda_ipc":
+        if cuda_ipc_backend.available():
+            memory, where = cuda_ipc_backend.CudaIpcPoolMemory(), "exportable GPU memory (cuda_ipc)"
+        elif cfg.kv_transfer.backend == "cuda_ipc":
             raise ConfigError("kv_transfer.backend cuda_ipc needs cupy: pip install 'pdserve[gpu]'")
     if pool_name == "prefill" and device == "cpu":
         try:
             shm_path = shm_pool_path(cfg.kv_transfer, config.num_blocks * config.block_size * spec.bytes_per_token)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    where = shm_path or ("exportable GPU memory (cuda_ipc)" if cuda_ipc else f"private {device} memory")
+        if shm_path is not None:
+            from kv_transfer.shm_backend import ShmPoolMemory
+
+            memory, where = ShmPoolMemory(shm_path, spec, config.num_blocks, config.block_size), shm_path
     log.info("%s: %s (%s) on %s, %d torch threads, %s, KV pool in %s", pool_name, model_dir, dtype, device, num_threads, config, where)
     quantized = quantized_weights(cfg, pool_name, model.config, dtype) if device == "cpu" and cfg.model.backend in ("auto", "cpu") else None
-    engine = Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_shm_path=shm_path, kv_cuda_ipc=cuda_ipc, quantized=quantized)
+    engine = Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_memory=memory, quantized=quantized)
     if quantized is not None:
         log.info("%s: linear layers over the GGUF's blocks: %s", pool_name, engine.model.quantized)
     return engine, fingerprint

@@ -17,25 +17,25 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     instance of the original class, so isinstance works across the hop.
     """
     if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, _message(exc)
+        return grpc.StatusCode.INVALID_ARGUMENT, error_message(exc)
     if isinstance(exc, AuthenticationError):
-        return grpc.StatusCode.UNAUTHENTICATED, _message(exc)
+        return grpc.StatusCode.UNAUTHENTICATED, error_message(exc)
     if isinstance(exc, CapacityError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, _message(exc)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, error_message(exc)
     if isinstance(exc, BackPressureError):  # a pool's Ray Serve queue is at max_queued_requests
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {_message(exc)}"
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {error_message(exc)}"
     if isinstance(exc, (KVIncompatibleError, KVAuthError)):  # deployment errors: the pools run different models or secrets
-        return grpc.StatusCode.FAILED_PRECONDITION, _message(exc)
+        return grpc.StatusCode.FAILED_PRECONDITION, error_message(exc)
     if isinstance(exc, KVTransferError):
-        return grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {_message(exc)}"
+        return grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error_message(exc)}"
     if isinstance(exc, WorkerStalledError):  # every replica tried was stuck
-        return grpc.StatusCode.UNAVAILABLE, _message(exc)
+        return grpc.StatusCode.UNAVAILABLE, error_message(exc)
     if isinstance(exc, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, _message(exc) or "deadline exceeded"
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {_message(exc)}"
+        return grpc.StatusCode.DEADLINE_EXCEEDED, error_message(exc) or "deadline exceeded"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {error_message(exc)}"
 
 
-def _message(exc: BaseException) -> str:
+def error_message(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)  # RayTaskError keeps the original here
     return str(cause if cause is not None else exc).strip()
 

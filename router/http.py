@@ -1,56 +1,59 @@
 """The OpenAI-compatible HTTP API's request handling, for the router's FastAPI routes
-(router/server.py): parse and validate, run the request path, answer in OpenAI's shapes
+(router/server.py): parse and validate (router/frontend.py's Frontend), run the request
+(``generate``: the router's stream of ``Output``), answer in OpenAI's shapes
 (router/openai_api.py), streamed as server-sent events or whole."""
 
 import asyncio
 import logging
 import math
 import time
-import uuid
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from router import openai_api as oa
 from router.disconnect import Receive, follow
-from router.errors import _message, retry_after_s
+from router.errors import error_message, retry_after_s
+from router.frontend import Frontend, Output
+
+Generate = Callable[[list[int], SamplingParams], AsyncIterator[Output]]
 
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer (Ray Serve's proxy logs it too)
 
 
-def parse(router, body: bytes, chat: bool) -> tuple[Any, list[int], SamplingParams]:
+def parse(frontend: Frontend, body: bytes, chat: bool) -> tuple[Any, list[int], SamplingParams]:
+    """(the OpenAI request, prompt ids, sampling parameters); raises InvalidRequestError."""
     if chat:
         req = oa.parse(oa.ChatCompletionRequest, body)
-        router._check_model(req.model)
-        prompt_ids = router._chat_ids([(m.role, m.text()) for m in req.messages])
+        frontend.check_model(req.model)
+        prompt_ids = frontend.chat_ids([(m.role, m.text()) for m in req.messages])
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
-        params = req.sampling_params(default_max_tokens=max(1, router.max_model_len - len(prompt_ids)))
+        params = req.sampling_params(default_max_tokens=max(1, frontend.max_model_len - len(prompt_ids)))
     else:
         req = oa.parse(oa.CompletionRequest, body)
-        router._check_model(req.model)
+        frontend.check_model(req.model)
         text, ids = oa.completion_prompt(req)
         if ids is not None:
-            router._check_token_ids("prompt", ids)
-        prompt_ids = ids if ids is not None else router._text_ids(text)
+            frontend.check_token_ids("prompt", ids)
+        prompt_ids = ids if ids is not None else frontend.text_ids(text)
         params = req.sampling_params(default_max_tokens=16)
-    router._validate(prompt_ids, params)
+    frontend.validate(prompt_ids, params)
     return req, prompt_ids, params
 
 
-async def handle(router, body: bytes, chat: bool, receive: Receive | None = None):
+async def handle(frontend: Frontend, generate: Generate, body: bytes, chat: bool, receive: Receive | None = None):
     """One OpenAI request: errors before the first token get their HTTP status and
     OpenAI's error shape; a stream that fails later ends with an error event. With the
     request's ASGI ``receive``, a client that disconnects stops its request at once
     (router/disconnect.py)."""
     rid = oa.new_id("chatcmpl" if chat else "cmpl")
     try:
-        req, prompt_ids, params = await asyncio.to_thread(parse, router, body, chat)  # tokenizing stays off the event loop
-        stream = router._generate(uuid.uuid4().hex, rid, prompt_ids, params)
+        req, prompt_ids, params = await asyncio.to_thread(parse, frontend, body, chat)  # tokenizing stays off the event loop
+        stream = generate(prompt_ids, params)
         if receive is not None:
             stream = follow(stream, receive)
         first = await stream.__anext__()
@@ -60,7 +63,7 @@ async def handle(router, body: bytes, chat: bool, receive: Receive | None = None
         return error_response(e)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        sse = sse_stream(router, rid, chat, first, stream, include_usage, params.logprobs is not None)
+        sse = sse_stream(frontend, rid, chat, first, stream, include_usage, params.logprobs is not None)
         return StreamingResponse(sse, media_type="text/event-stream")
     text, last, logprobs = first.text, first, list(first.logprobs)
     try:
@@ -75,27 +78,28 @@ async def handle(router, body: bytes, chat: bool, receive: Receive | None = None
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     lp = None
     if params.logprobs is not None:
-        lp = oa.chat_logprobs(router.tokenizer, logprobs) if chat else oa.completion_logprobs(router.tokenizer, logprobs)
+        lp = oa.chat_logprobs(frontend.tokenizer, logprobs) if chat else oa.completion_logprobs(frontend.tokenizer, logprobs)
     make = oa.chat_response if chat else oa.completion_response
-    return make(rid, router.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
+    return make(rid, frontend.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
 
 
-async def sse_stream(router, rid: str, chat: bool, first: pb.GenerateResponse, stream, include_usage: bool, with_logprobs: bool):
+async def sse_stream(frontend: Frontend, rid: str, chat: bool, first: Output, stream: AsyncIterator[Output], include_usage: bool,
+                     with_logprobs: bool):
     created, last, offset = int(time.time()), first, 0
     try:
         if chat:
-            yield oa.sse(oa.chat_chunk(rid, router.model_name, created, {"role": "assistant", "content": ""}, None))
+            yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, {"role": "assistant", "content": ""}, None))
         chunk = first
         while True:
             reason = chunk.finish_reason or None
             if chat:
                 delta = {"content": chunk.text} if chunk.text else {}
-                lp = oa.chat_logprobs(router.tokenizer, chunk.logprobs) if with_logprobs else None
-                yield oa.sse(oa.chat_chunk(rid, router.model_name, created, delta, reason, lp))
+                lp = oa.chat_logprobs(frontend.tokenizer, chunk.logprobs) if with_logprobs else None
+                yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, delta, reason, lp))
             else:
-                lp = oa.completion_logprobs(router.tokenizer, chunk.logprobs, offset) if with_logprobs else None
+                lp = oa.completion_logprobs(frontend.tokenizer, chunk.logprobs, offset) if with_logprobs else None
                 offset += sum(len(t) for t in lp["tokens"]) if lp else 0
-                yield oa.sse(oa.completion_chunk(rid, router.model_name, created, chunk.text, reason, lp))
+                yield oa.sse(oa.completion_chunk(rid, frontend.model_name, created, chunk.text, reason, lp))
             last = chunk
             if reason:
                 break
@@ -105,10 +109,10 @@ async def sse_stream(router, rid: str, chat: bool, first: pb.GenerateResponse, s
                 return
         if include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            yield oa.sse(oa.usage_chunk(rid, router.model_name, created, obj, last.prompt_tokens, last.completion_tokens))
+            yield oa.sse(oa.usage_chunk(rid, frontend.model_name, created, obj, last.prompt_tokens, last.completion_tokens))
     except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
         status, kind = oa.error_status(e)
-        yield oa.sse(oa.error_body(_message(e), kind, status))
+        yield oa.sse(oa.error_body(error_message(e), kind, status))
     finally:
         await stream.aclose()
     yield oa.sse("[DONE]")
@@ -121,4 +125,4 @@ def error_response(exc: BaseException, default_retry_after_s: float = 1.0) -> JS
         log.error("request failed", exc_info=exc)
     hint = retry_after_s(exc, default_retry_after_s)
     headers = {"Retry-After": str(max(1, math.ceil(hint)))} if hint is not None else None
-    return JSONResponse(oa.error_body(_message(exc), kind, status), status_code=status, headers=headers)
+    return JSONResponse(oa.error_body(error_message(exc), kind, status), status_code=status, headers=headers)

@@ -188,7 +188,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_logprobs(tokenizer, logprobs: list, text_offset: int = 0) -> dict:
-    """OpenAI's completions ``logprobs`` object for ``logprobs`` (pb TokenLogprob), the first
+    """OpenAI's completions ``logprobs`` object for ``logprobs`` (pdserve.sampling.TokenLogprob), the first
     token at character ``text_offset`` of the choice's text."""
     tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
     offsets = []
@@ -204,7 +204,7 @@ def completion_logprobs(tokenizer, logprobs: list, text_offset: int = 0) -> dict
 
 
 def chat_logprobs(tokenizer, logprobs: list) -> dict:
-    """OpenAI's chat ``logprobs`` object ({"content": [...]}) for pb TokenLogprob entries."""
+    """OpenAI's chat ``logprobs`` object ({"content": [...]}) for pdserve.sampling.TokenLogprob entries."""
     def entry(token_id: int, logprob: float) -> dict:
         token = tokenizer.decode([token_id])
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

@@ -41,7 +41,7 @@ from ray.exceptions import RayActorError
 
 from kv_transfer.base import KVHandle, KVReceiver
 from pdserve.errors import FirstTokenMissingError, KVTransferError, WorkerStalledError
-from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk
+from pdserve.messages import DecodeRequest, FreshRequest, LayerwiseKV, Migrated, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk, WithKV
 from pdserve.sampling import SamplingParams
 from router.placement import PrefillPlacement
 from router.retries import Attempts, RetryPolicy
@@ -75,7 +75,7 @@ class RequestPath:
         client that left) and both pools free what they hold at once."""
         local = self.prefill is None or self.placement.choose_local(len(prompt_ids))
         if local:  # colocated, or prefilled by the decode replica itself (router/placement.py)
-            items = self._decode(DecodeRequest(request_id, prompt_ids, None, params, None), [])
+            items = self._decode(FreshRequest(request_id, prompt_ids, params), [])
             prefilling = self.prefill is not None
             if prefilling:
                 self.placement.started(True, len(prompt_ids))
@@ -110,7 +110,7 @@ class RequestPath:
         finished, items = False, None
         try:
             yield TokenChunk([first.first_token], None, first_logprobs)
-            items = self._decode(DecodeRequest(request_id, prompt_ids, first.first_token, params, first.kv), [first.first_token], early_decode)
+            items = self._decode(WithKV(request_id, prompt_ids, params, first.first_token, first.kv), [first.first_token], early_decode)
             async for item in items:
                 finished = item.finish_reason is not None
                 yield item
@@ -142,7 +142,7 @@ class RequestPath:
                 resend = isinstance(e, FirstTokenMissingError)
                 if resend and not streamed:
                     raise
-                if request.kv is not None:  # it may have died before fetching: free prefill's copy now
+                if isinstance(request, (WithKV, LayerwiseKV)):  # it may have died before fetching: free prefill's copy now
                     self._release(request.kv)
                 await attempts.before_retry(e, wait=not resend)  # re-raises when out of attempts
                 if resend:
@@ -152,7 +152,7 @@ class RequestPath:
                     self.num_migrations += 1
                     log.warning("decode replica lost for %s after %d tokens (%s); migrating", request.request_id, len(streamed), type(e).__name__)
                 if streamed:  # go on after what the client has; with nothing yet (colocated), send it again as it was
-                    request = DecodeRequest(request.request_id, request.prompt_ids, streamed[0], request.params, None, tuple(streamed[1:]))
+                    request = Migrated(request.request_id, request.prompt_ids, request.params, tuple(streamed))
                 retry = True
             finally:
                 if not finished:
@@ -197,7 +197,7 @@ class RequestPath:
                 if isinstance(item, PrefillStarted):
                     handle = item.kv
                     decode = self.decode.options(stream=True).generate.remote(
-                        DecodeRequest(request.request_id, request.prompt_ids, None, request.params, handle))
+                        LayerwiseKV(request.request_id, request.prompt_ids, request.params, handle))
                     item = await calls.__anext__()
                 return item, decode
             except BaseException as e:

@@ -5,7 +5,7 @@ Serve's HTTP proxy.
 The request path: tokenize + validate + admit (here) -> prefill pool (first token, KV
 handle) -> decode pool (fetches the KV, streams the rest) (``RequestPath.stream`` in
 router/request_path.py, with retries and migration) -> detokenize, apply stop strings,
-stream to the client (``_generate`` here).
+stream to the client (``generate`` here, as typed ``Output``s each client API renders: router/frontend.py).
 
 (No ``from __future__ import annotations`` here: FastAPI reads the route signatures'
 annotations at runtime, through Ray Serve's class-based ingress.)
@@ -37,6 +37,7 @@ from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from pdserve.worker import max_model_len
 from router.admission import Admission
+from router.frontend import Frontend, Output
 from router.grpc_server import GrpcFrontDoor
 from router.placement import PrefillPlacement
 from router.request_path import RequestPath
@@ -45,9 +46,6 @@ from router.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
 
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per context token is refused untokenized
 
 
 # pb.SamplingParams' optional fields, each passed on to SamplingParams when set
@@ -80,9 +78,9 @@ class Router:
         model_dir = resolve_model_dir(self.cfg.model.path)
         self.tokenizer = load_tokenizer(model_dir)
         model_config = AutoConfig.from_pretrained(model_dir)
-        self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len(self.cfg, model_config)
         self.model_name = served_model_name(self.cfg)
+        self.frontend = Frontend(self.tokenizer, self.model_name, self.max_model_len, model_config.vocab_size)
         self.created = int(time.time())
         self.metrics = RouterMetrics(self.model_name)
         r = self.cfg.router
@@ -101,55 +99,19 @@ class Router:
         self.grpc = GrpcFrontDoor(self, r.host, r.grpc_port, r.max_request_bytes, r.client_keepalive_s, tls)
         self.grpc.start()  # Ray Serve runs this constructor on the replica's event loop
 
-    # -- parsing ---------------------------------------------------------------
-
-    def _check_text_size(self, num_chars: int) -> None:
-        """Refuse text far beyond the context before spending time tokenizing it."""
-        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
-        if num_chars > limit:
-            raise InvalidRequestError(f"prompt is {num_chars} characters, more than a {self.max_model_len}-token context can hold (limit {limit})")
-
-    def _text_ids(self, text: str) -> list[int]:
-        self._check_text_size(len(text))
-        return list(self.tokenizer(text).input_ids) if text else []
-
-    def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
-        if not messages:
-            raise InvalidRequestError("messages is empty: send at least one message")
-        self._check_text_size(sum(len(content) for _, content in messages))
-        for role, _ in messages:
-            if role not in CHAT_ROLES:
-                raise InvalidRequestError(f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}")
-        if not any(content.strip() for _, content in messages):
-            raise InvalidRequestError("prompt is empty: every message has empty content")
-        chat = [{"role": role, "content": content} for role, content in messages]
-        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"])
-
-    def _check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise InvalidRequestError(f"unknown model {model!r}; this cluster serves {self.model_name!r}")
+    # -- gRPC ----------------------------------------------------------------
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         given = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
         if sum(given) > 1:
             raise InvalidRequestError("set only one of prompt, messages and prompt_token_ids")
         if request.messages:
-            return self._chat_ids([(m.role, m.content) for m in request.messages])
+            return self.frontend.chat_ids([(m.role, m.content) for m in request.messages])
         if request.prompt_token_ids:
             ids = list(request.prompt_token_ids)
-            self._check_token_ids("prompt_token_ids", ids)
+            self.frontend.check_token_ids("prompt_token_ids", ids)
             return ids
-        return self._text_ids(request.prompt)
-
-    def _check_token_ids(self, field: str, ids: list[int]) -> None:
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"{field} has {bad[0]}, outside the vocabulary of {self.vocab_size}")
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The checks every request gets, gRPC or HTTP; raises InvalidRequestError."""
-        self._check_token_ids("stop_token_ids", list(params.stop_token_ids))
-        params.validate(len(prompt_ids), self.max_model_len)
+        return self.frontend.text_ids(request.prompt)
 
     def _params(self, p: pb.SamplingParams) -> SamplingParams:
         return SamplingParams(
@@ -158,13 +120,11 @@ class Router:
         )
 
     def _parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        self._check_model(request.model)
+        self.frontend.check_model(request.model)
         prompt_ids = self._prompt_ids(request)
         params = self._params(request.params)
-        self._validate(prompt_ids, params)
+        self.frontend.validate(prompt_ids, params)
         return prompt_ids, params
-
-    # -- gRPC methods ------------------------------------------------------------
 
     async def generate_rpc(self, request: pb.GenerateRequest, authorization: str | None) -> AsyncIterator[pb.GenerateResponse]:
         """One gRPC Generate call (router/grpc_server.py serves it); raises what the request
@@ -174,12 +134,15 @@ class Router:
         prompt_ids, params = await asyncio.to_thread(self._parse, request)  # tokenizing stays off the event loop
         # Internal ids are always unique; the client's request_id is only echoed back.
         internal_id = uuid.uuid4().hex
-        responses = self._generate(internal_id, request.request_id or internal_id, prompt_ids, params)
+        client_id = request.request_id or internal_id
+        outputs = self.generate(prompt_ids, params, internal_id)
         try:
-            async for response in responses:
-                yield response
+            async for o in outputs:
+                yield pb.GenerateResponse(
+                    request_id=client_id, token_ids=o.token_ids, text=o.text, finish_reason=o.finish_reason or "",
+                    prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, logprobs=[_logprob_pb(lp) for lp in o.logprobs])
         finally:  # at once, not at garbage collection: a client that left frees both pools now
-            await responses.aclose()
+            await outputs.aclose()
 
     async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
         return pb.HealthResponse(ok=True, model=self.model_name, max_model_len=self.max_model_len)
@@ -222,15 +185,18 @@ class Router:
             self.admission.check_size(len(body))
         except Exception as e:  # noqa: BLE001 - answered in OpenAI's shape
             return http.error_response(e)
-        return await http.handle(self, body, chat=chat, receive=request.receive)
+        return await http.handle(self.frontend, self.generate, body, chat=chat, receive=request.receive)
 
     # -- the request path -------------------------------------------------------
 
-    async def _generate(
-        self, request_id: str, client_request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> AsyncIterator[Output]:
+        """One request's answer as it is made, for both client APIs (router/frontend.py):
+        ``prompt_ids`` and ``params`` checked by the Frontend; ``request_id`` the internal id
+        (unique; a new one if None). Raises CapacityError at once when admission refuses it,
+        then what the request path raises. Close it early and both pools free the request."""
+        request_id = request_id or uuid.uuid4().hex
         self.admission.admit(request_id)  # CapacityError here, before anything is spent, when the router is full or queued
-        chunks = self._generate_admitted(request_id, client_request_id, prompt_ids, params)
+        chunks = self._generate_admitted(request_id, prompt_ids, params)
         try:
             async for chunk in chunks:
                 yield chunk
@@ -238,16 +204,14 @@ class Router:
             await chunks.aclose()  # at once: a client that left frees both pools now
             self.admission.release(request_id)
 
-    async def _generate_admitted(
-        self, request_id: str, client_request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _generate_admitted(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Output]:
         detok = IncrementalDetokenizer(self.tokenizer)
         stop = StopStringMatcher(params.stop)
         num_prompt, num_generated = len(prompt_ids), 0
         start = last_token_at = time.perf_counter()
         reason = "abort"  # until a chunk says otherwise
 
-        def response(token_ids: list[int], finish_reason: str | None, logprobs=None) -> pb.GenerateResponse:
+        def response(token_ids: list[int], finish_reason: str | None, logprobs=None) -> Output:
             nonlocal num_generated, last_token_at, reason
             now = time.perf_counter()
             if token_ids:
@@ -268,10 +232,7 @@ class Router:
                 text += stop.flush()
             if finish_reason:
                 reason = finish_reason
-            return pb.GenerateResponse(
-                request_id=client_request_id, token_ids=token_ids, text=text, finish_reason=finish_reason or "",
-                prompt_tokens=num_prompt, completion_tokens=num_generated, logprobs=[_logprob_pb(lp) for lp in logprobs or ()],
-            )
+            return Output(token_ids, text, finish_reason, num_prompt, num_generated, list(logprobs or ()))
 
         self.metrics.prompt_tokens.inc(num_prompt)
         items = self.path.stream(request_id, prompt_ids, params)

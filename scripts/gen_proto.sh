@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate the Python stubs in pdserve/rpc/ from proto/. Needs grpcio-tools
-# (in the `dev` extra). tests/test_packaging.py checks the committed stubs are current.
+# (in the `dev` extra). tests/unit/test_packaging.py checks the committed stubs are current.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \

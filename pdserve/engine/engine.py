@@ -18,7 +18,7 @@ from pdserve.engine import backends
 from pdserve.engine.allocator import keep_freed_memory
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.kv_cache import PagedKVCache, PoolMemory
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models import build_model
 from pdserve.errors import InvalidRequestError
@@ -50,19 +50,18 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int, kv_shm_path: str | None = None,
-                 kv_cuda_ipc: bool = False, quantized: dict | None = None):
-        """The engine runs where ``model`` is (CPU or a CUDA device). ``kv_shm_path``: put the
-        KV pool in this shared-memory file (the shm transfer backend); ``kv_cuda_ipc``: make
-        the (GPU) pool exportable over CUDA IPC (the cuda_ipc backend); ``quantized``: the
+    def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int,
+                 kv_memory: PoolMemory | None = None, quantized: dict | None = None):
+        """The engine runs where ``model`` is (CPU or a CUDA device). ``kv_memory``: where the
+        KV pool lives (engine/kv_cache.py's PoolMemory: private memory by default; the KV
+        transfer provides ones a same-node peer can map); ``quantized``: the
         model's weights in GGUF blocks by parameter name (engine/quantized.py), for linear
         layers that read them in place where the backend can (the same bits as dense)."""
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.kv_spec = KVSpec.from_model_config(model.config, model.dtype)
-        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device, kv_shm_path,
-                                     cuda_ipc=kv_cuda_ipc)
+        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device, kv_memory)
         device = self.kv_cache.device
         use_graphs = config.cuda_graphs if config.cuda_graphs is not None else (config.optimize and device.type == "cuda")
         if use_graphs and config.num_blocks < 2:

@@ -8,16 +8,13 @@ without another copy)::
 i.e. per layer ``[kv_heads, num_blocks, block_size, head_dim]`` with the block dims
 flattened into token slots; slot ``b * block_size + i`` is token ``i`` of block ``b``.
 
-With ``shm_path`` the pool lives in a shared-memory file (k then v), so a decode
-worker on the same node can copy blocks straight out of it (kv_transfer/shm_backend.py).
-On a GPU (``device`` "cuda") with ``cuda_ipc`` the pool is one cudaMalloc allocation per
-k and v, so a decode worker on the same node can map it (kv_transfer/cuda_ipc_backend.py).
+Where the pool's memory comes from is a PoolMemory: private memory by default (huge pages
+on CPU); the KV transfer provides pools a same-node peer can map (kv_transfer/shm_backend.py:
+a shared-memory file; kv_transfer/cuda_ipc_backend.py: CUDA-IPC exportable allocations).
+The engine knows nothing of transports.
 """
 
 from __future__ import annotations
-
-import mmap
-import os
 
 import torch
 
@@ -25,38 +22,53 @@ from pdserve.engine import huge_pages
 from pdserve.kv_layout import KVSpec
 
 
+def pool_shape(spec: KVSpec, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+    """The shape of k (and of v): [num_layers, kv_heads, num_blocks * block_size, head_dim]."""
+    return (spec.num_layers, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
+
+
+class PoolMemory:
+    """Where a KV pool lives: this base allocates private memory. A subclass that a peer on
+    the same node can map sets ``shm_path`` (a file) or ``ipc_handles`` (CUDA IPC handles of
+    k and v), which the sender hands out."""
+
+    shm_path: str | None = None
+    ipc_handles: tuple[bytes, bytes] | None = None
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed (k, v) of ``shape`` on ``device``."""
+        if device.type == "cpu":  # huge pages: a decode step reads scattered blocks of it (huge_pages.py)
+            return huge_pages.zeros(shape, dtype), huge_pages.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def close(self) -> None:
+        """Give back what outlives the process (a file); mappings stay valid until unmapped."""
+
+
 class PagedKVCache:
-    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: str | torch.device = "cpu", shm_path: str | None = None,
-                 cuda_ipc: bool = False):
-        """Raises OSError if ``shm_path`` cannot be created at the pool's size, ImportError
-        if ``cuda_ipc`` is asked without cupy (the ``gpu`` extra)."""
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
+                 memory: PoolMemory | None = None):
+        """``memory``: where the pool lives (PoolMemory; private memory by default). Raises
+        what its ``allocate`` raises (OSError for a shared-memory file that cannot be made)."""
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.shm_path = shm_path
         self.device = torch.device(device)
-        self.ipc_handles: tuple[bytes, bytes] | None = None  # CUDA IPC handles of k and v (cuda_ipc)
-        shape = (spec.num_layers, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
-        if shm_path is not None:
-            self.k, self.v = map_pool_file(shm_path, spec, num_blocks, block_size, create=True)
-        elif cuda_ipc:
-            from kv_transfer.cuda_ipc_backend import exportable_zeros
+        self.memory = memory or PoolMemory()
+        self.k, self.v = self.memory.allocate(pool_shape(spec, num_blocks, block_size), spec.dtype, self.device)
 
-            (self.k, hk), (self.v, hv) = (exportable_zeros(shape, spec.dtype, self.device) for _ in range(2))
-            self.ipc_handles = (hk, hv)
-        elif self.device.type == "cpu":  # huge pages: a decode step reads scattered blocks of it (huge_pages.py)
-            self.k, self.v = huge_pages.zeros(shape, spec.dtype), huge_pages.zeros(shape, spec.dtype)
-        else:
-            self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
-            self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+    @property
+    def shm_path(self) -> str | None:
+        """The shared-memory file a same-node peer maps, if the pool lives in one."""
+        return self.memory.shm_path
+
+    @property
+    def ipc_handles(self) -> tuple[bytes, bytes] | None:
+        """CUDA IPC handles of k and v, if the pool is exportable."""
+        return self.memory.ipc_handles
 
     def close(self) -> None:
-        """Remove the shared-memory file, if any (mappings stay valid until unmapped)."""
-        if self.shm_path is not None:
-            try:
-                os.unlink(self.shm_path)
-            except FileNotFoundError:
-                pass
+        self.memory.close()
 
     @staticmethod
     def num_blocks_for(spec: KVSpec, block_size: int, num_tokens: int | None = None, num_bytes: int | None = None) -> int:
@@ -116,29 +128,3 @@ def block_rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     transfer's read/write_blocks and decode's ``attention.gather_blocks``."""
     rows = t.view(t.shape[0], num_blocks, -1)  # a view, never a copy: index_copy_ must land in t
     return rows.view(torch.float32) if t.element_size() == 2 and rows.shape[-1] % 2 == 0 else rows
-
-
-def map_pool_file(path: str, spec: KVSpec, num_blocks: int, block_size: int, create: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map a pool file as (k, v), each [num_layers, kv_heads, num_blocks * block_size, head_dim].
-
-    ``create`` makes the file (zero-filled, pages allocated on first touch); otherwise
-    it must exist with exactly the pool's size. Raises OSError (or ValueError on a size mismatch).
-    """
-    shape = (spec.num_layers, spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
-    numel = shape[0] * shape[1] * shape[2] * shape[3]
-    nbytes = 2 * numel * spec.dtype.itemsize
-    fd = os.open(path, (os.O_RDWR | os.O_CREAT | os.O_EXCL) if create else os.O_RDWR, 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, nbytes)
-        elif os.fstat(fd).st_size != nbytes:
-            raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, a pool of this shape {nbytes}")
-        # populate now, as torch.zeros does for a private pool: the creator allocates every page
-        # (else a reader's first transfer would allocate them, seconds for a large pool), and a
-        # reader maps them all at once (else it faults per 4 KB page in the middle of a copy)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        buf = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    flat = torch.frombuffer(buf, dtype=spec.dtype)  # keeps buf alive
-    return flat[:numel].view(shape), flat[numel:].view(shape)

@@ -72,7 +72,7 @@ def test_penalties_pass_through_with_vllms_names():
 
 
 # The bodies vLLM 0.32's ``vllm bench serve`` sends (vllm/benchmarks/lib/endpoint_request_func.py), with
-# --temperature 0 --ignore-eos; tests/test_e2e.py posts them to a running cluster.
+# --temperature 0 --ignore-eos; tests/cluster/test_e2e.py posts them to a running cluster.
 VLLM_BENCH_COMPLETIONS = {"model": "smollm2", "prompt": "Hello there", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
                           "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
 VLLM_BENCH_CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}],

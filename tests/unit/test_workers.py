@@ -10,7 +10,7 @@ from conftest import reference_generate
 from decode_worker.server import DecodeServer, merge_chunks
 from kv_transfer import shm_backend
 from pdserve.errors import KVIncompatibleError, KVTransferError
-from pdserve.messages import DecodeRequest, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk
+from pdserve.messages import LayerwiseKV, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk, WithKV
 from pdserve.model_loader import load_model, load_tokenizer
 from pdserve.sampling import SamplingParams
 from prefill_worker.server import PrefillServer
@@ -43,7 +43,7 @@ async def run(prefill: PrefillServer, decode: DecodeServer, prompt: list[int], r
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     first = await prefill.prefill(PrefillRequest(request_id, prompt, params))
     tokens = [first.first_token]
-    async for chunk in decode.generate(DecodeRequest(request_id, prompt, first.first_token, params, first.kv)):
+    async for chunk in decode.generate(WithKV(request_id, prompt, params, first.first_token, first.kv)):
         tokens.extend(chunk.token_ids)
     return tokens
 
@@ -80,13 +80,13 @@ def test_abort_by_id_stops_a_running_request_and_one_that_comes_later(workers, r
     async def go():
         first = await prefill.prefill(PrefillRequest(f"abort-{backend}", prompt, params))
         chunks = []
-        async for chunk in decode.generate(DecodeRequest(f"abort-{backend}", prompt, first.first_token, params, first.kv)):
+        async for chunk in decode.generate(WithKV(f"abort-{backend}", prompt, params, first.first_token, first.kv)):
             chunks.append(chunk)
             if len(chunks) == 3:
                 assert await decode.abort(f"abort-{backend}")
         assert not await decode.abort(f"early-{backend}")  # not here yet: remembered
         second = await prefill.prefill(PrefillRequest(f"early-{backend}", prompt, params))
-        late = [c async for c in decode.generate(DecodeRequest(f"early-{backend}", prompt, second.first_token, params, second.kv))]
+        late = [c async for c in decode.generate(WithKV(f"early-{backend}", prompt, params, second.first_token, second.kv))]
         assert await prefill.release(second.kv.transfer_id)  # as the router does for a request it gave up
         return chunks, late
 
@@ -109,7 +109,7 @@ def test_tokens_go_to_the_router_stream_interval_at_a_time(workers, reference):
 
     async def go():
         first = await prefill.prefill(PrefillRequest(f"interval-{backend}", prompt, params))
-        return [c async for c in decode.generate(DecodeRequest(f"interval-{backend}", prompt, first.first_token, params, first.kv))]
+        return [c async for c in decode.generate(WithKV(f"interval-{backend}", prompt, params, first.first_token, first.kv))]
 
     chunks = asyncio.run(go())
     assert decode.pool_cfg.stream_interval == 8
@@ -137,7 +137,7 @@ def test_a_full_decode_pool_refuses_within_max_kv_wait_s_and_names_why(workers, 
         start = time.monotonic()
         try:
             with pytest.raises(CapacityError, match=r"decode KV pool has no room for \d+ tokens after 1 s \(decode.max_kv_wait_s; 0 of \d+ blocks free"):
-                async for _ in decode.generate(DecodeRequest(f"full-{backend}", prompt, first.first_token, params, first.kv)):
+                async for _ in decode.generate(WithKV(f"full-{backend}", prompt, params, first.first_token, first.kv)):
                     pass
             return time.monotonic() - start
         finally:
@@ -215,7 +215,7 @@ def test_seeded_sampling_is_the_same_disaggregated_or_not(workers, reference, re
     async def disaggregated():
         first = await prefill.prefill(PrefillRequest(f"seed-{backend}", prompt, params))
         tokens = [first.first_token]
-        async for chunk in decode.generate(DecodeRequest(f"seed-{backend}", prompt, first.first_token, params, first.kv)):
+        async for chunk in decode.generate(WithKV(f"seed-{backend}", prompt, params, first.first_token, first.kv)):
             tokens.extend(chunk.token_ids)
         return tokens
 
@@ -243,7 +243,7 @@ async def run_layerwise(prefill: PrefillServer, decode: DecodeServer, prompt: li
 
     async def decode_all() -> list[int]:
         out = []
-        async for chunk in decode.generate(DecodeRequest(request_id, prompt, None, params, started.kv)):
+        async for chunk in decode.generate(LayerwiseKV(request_id, prompt, params, started.kv)):
             out.extend(chunk.token_ids)
         return out
 
@@ -301,7 +301,7 @@ def test_layerwise_prefill_that_fails_mid_stream_frees_both_sides(workers, refer
         started = await steps.__anext__()
 
         async def decode_all():
-            async for _ in decode.generate(DecodeRequest(started.request_id, long_prompt, None, params, started.kv)):
+            async for _ in decode.generate(LayerwiseKV(started.request_id, long_prompt, params, started.kv)):
                 pass
 
         decoding = asyncio.ensure_future(decode_all())
@@ -333,7 +333,7 @@ def test_layerwise_request_that_prefill_finishes_is_not_a_fault(workers, referen
         started = await steps.__anext__()
 
         async def decode_all() -> list[int]:
-            return [t async for chunk in decode.generate(DecodeRequest(started.request_id, long_prompt, None, params, started.kv))
+            return [t async for chunk in decode.generate(LayerwiseKV(started.request_id, long_prompt, params, started.kv))
                     for t in chunk.token_ids]
 
         decoding = asyncio.ensure_future(decode_all())

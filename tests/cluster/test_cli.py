@@ -55,6 +55,9 @@ def test_up_generate_down(tmp_path):
                    "ray::ProxyActor", "ray::ServeController")
         assert niceness_by_process(serving) == {p: {0} for p in serving}
 
+        # client gRPC, HTTP and Ray's metrics endpoint listen on loopback only (router.host's default)
+        assert listening_hosts([GRPC_PORT, HTTP_PORT, 8080]) == {GRPC_PORT: {"127.0.0.1"}, HTTP_PORT: {"127.0.0.1"}, 8080: {"127.0.0.1"}}
+
         gen = pdserve("generate", "What is the capital of France?", "--max-tokens", "32")
         assert gen.returncode == 0, gen.stderr[-3000:]
         assert "Paris" in gen.stdout
@@ -67,6 +70,22 @@ def test_up_generate_down(tmp_path):
     assert down.returncode == 0, down.stderr[-3000:]
     gone = pdserve("generate", "Hi", "--endpoint", f"127.0.0.1:{GRPC_PORT}")
     assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
+
+
+def listening_hosts(ports: list[int]) -> dict[int, set[str]]:
+    """The addresses TCP ``ports`` listen on, from /proc/net/tcp and tcp6 ("0.0.0.0" / "::" = every interface)."""
+    import ipaddress
+
+    found: dict[int, set[str]] = {p: set() for p in ports}
+    for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port = local.split(":")
+            if state == "0A" and int(port, 16) in found:  # LISTEN
+                raw = bytes.fromhex(address)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))  # each 32-bit word is in host (little-endian) order
+                found[int(port, 16)].add(str(ipaddress.ip_address(raw)))
+    return found
 
 
 def ray_is_running() -> bool:

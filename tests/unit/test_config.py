@@ -4,7 +4,7 @@ import pytest
 
 from pdserve.config import ClusterConfig, ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_repository_cluster_yaml_is_the_embedded_default():

@@ -68,13 +68,13 @@ def idle(prefill: dict, decode: dict, router: dict) -> bool:
 def test_aborts_and_releases_by_id_reach_the_replica_that_holds_the_request(cluster):
     from ray import serve
 
-    from pdserve.messages import DecodeRequest, PrefillRequest
+    from pdserve.messages import FreshRequest, PrefillRequest
     from pdserve.sampling import SamplingParams
 
     decode, prefill = serve.get_deployment_handle("decode", "pdserve"), serve.get_deployment_handle("prefill", "pdserve")
     prompt = lambda i: [2000 + i * 13 + k for k in range(40)]  # noqa: E731
     streams = {f"held-d{i}": decode.options(stream=True).generate.remote(
-        DecodeRequest(f"held-d{i}", prompt(i), None, SamplingParams(max_tokens=500, ignore_eos=True), None)) for i in range(8)}
+        FreshRequest(f"held-d{i}", prompt(i), SamplingParams(max_tokens=500, ignore_eos=True))) for i in range(8)}
     for stream in streams.values():
         next(stream)  # the first token: decoding now, on one of the two replicas
     assert [decode.abort.remote(rid).result(timeout_s=30) for rid in streams] == [True] * 8

@@ -2,7 +2,7 @@
 one trusting another CA are refused), client certificates on gRPC (mTLS: a client without
 one, or with one from another CA, is refused), the API key over it on gRPC and HTTP, the KV channel's
 shared secret, request size limits, and admission control with a retry hint. (The soak with faults:
-tests/test_reliability.py.)"""
+tests/cluster/test_reliability.py.)"""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_import_proto_is_still_proto_plus():
@@ -50,3 +50,13 @@ def test_console_script():
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
     for command in ("up", "down", "generate"):
         assert command in out
+
+
+def test_bench_is_not_in_the_wheel_and_the_cli_runs_it_from_the_checkout(tmp_path):
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [p for p in include if p.startswith("bench")], include
+    exe = shutil.which("pdserve", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    out = subprocess.run([exe, "bench", "serve", "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0 and "--base-url" in out.stdout, out.stderr[-2000:]

@@ -19,6 +19,7 @@ from kv_transfer.lease import LeaseTable
 from kv_transfer.loopback import LoopbackKVReceiver, LoopbackKVSender
 from kv_transfer.paged import PagedKVSource
 from kv_transfer.server import KVServer
+from kv_transfer.shm_backend import ShmPoolMemory
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.errors import KVAuthError, KVIncompatibleError, KVNotFoundError, KVTransferError
@@ -275,7 +276,7 @@ def test_grpc_faults_are_detected_and_nothing_is_held_after_release(sender, kind
 
 def paged_pair(tmp_path, num_blocks=64, block_size=4, spec=SPEC):
     """(prefill pool in a shm file + its block manager, decode pool + its block manager)"""
-    src = PagedKVCache(spec, num_blocks, block_size, shm_path=str(tmp_path / "pool"))
+    src = PagedKVCache(spec, num_blocks, block_size, memory=ShmPoolMemory(str(tmp_path / "pool"), spec, num_blocks, block_size))
     dst = PagedKVCache(spec, num_blocks, block_size)
     return (src, BlockManager(num_blocks, block_size)), (dst, BlockManager(num_blocks, block_size))
 
@@ -434,8 +435,8 @@ def test_mappings_of_removed_pools_are_dropped(tmp_path):
     from kv_transfer.shm_backend import ShmReader
 
     reader = ShmReader()
-    old = PagedKVCache(SPEC, 8, 4, shm_path=str(tmp_path / "old"))
-    new = PagedKVCache(SPEC, 8, 4, shm_path=str(tmp_path / "new"))
+    old = PagedKVCache(SPEC, 8, 4, memory=ShmPoolMemory(str(tmp_path / "old"), SPEC, 8, 4))
+    new = PagedKVCache(SPEC, 8, 4, memory=ShmPoolMemory(str(tmp_path / "new"), SPEC, 8, 4))
     reader._map(old.shm_path, SPEC, 8, 4)
     old.close()  # the sender shut down and removed its file
     reader._map(new.shm_path, SPEC, 8, 4)

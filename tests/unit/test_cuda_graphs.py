@@ -3,7 +3,7 @@
 On the CPU the padded steps run eagerly (``cuda_graphs=True`` there), so these tests check
 what a graph would compute: batches padded to a bucket, block tables padded with the
 scratch block, padding rows confined to it. Capture and replay themselves run on a GPU
-(tests/test_gpu.py).
+(tests/gpu/test_gpu.py).
 """
 
 import torch

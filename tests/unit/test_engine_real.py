@@ -2,7 +2,7 @@
 
 float32: greedy ids equal, token for token. bfloat16: vLLM's ``check_logprobs_close`` with
 the top 5. Batch invariance on the real model: a needle's logprobs bit for bit alone, in a
-batch of 32 and chunked (tests/test_batch_invariance.py has the full set on tiny models).
+batch of 32 and chunked (tests/unit/test_batch_invariance.py has the full set on tiny models).
 """
 
 import pytest

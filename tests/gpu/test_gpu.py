@@ -31,12 +31,13 @@ SRC_BLOCKS = [3, 7, 8, 20]  # 60 tokens: 3 full blocks and a partial one
 def _sender(conn, device: str) -> None:
     """A prefill-like process: a GPU pool exported over CUDA IPC, one transfer leased."""
     from kv_transfer.paged import PagedKVSource
+    from kv_transfer.cuda_ipc_backend import CudaIpcPoolMemory
     from kv_transfer.server import KVServer
     from pdserve.engine.kv_cache import PagedKVCache
     from pdserve.kv_layout import KVSpec
 
     spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
-    cache = PagedKVCache(spec, 32, BLOCK_SIZE, device=device, cuda_ipc=True)
+    cache = PagedKVCache(spec, 32, BLOCK_SIZE, device=device, memory=CudaIpcPoolMemory())
     cache.k.copy_(torch.randn(cache.k.shape, device=device).to(spec.dtype))
     cache.v.copy_(torch.randn(cache.v.shape, device=device).to(spec.dtype))
     server = KVServer("127.0.0.1", backend="cuda_ipc", block_size=BLOCK_SIZE, cuda_ipc=True, node_id="gpu-node")

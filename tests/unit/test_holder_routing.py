@@ -5,7 +5,7 @@ real replicas: tests/test_cancel_storm.py."""
 import asyncio
 from types import SimpleNamespace
 
-from pdserve.messages import DecodeRequest, PrefillRequest
+from pdserve.messages import FreshRequest, Migrated, PrefillRequest
 from pdserve.sampling import SamplingParams
 from router.holder_routing import HolderAwareRouter, HolderIndex
 from router.prefix_routing import PrefixAwareRouter
@@ -32,7 +32,7 @@ def choose(r, candidates, pending) -> list[str]:
 def test_abort_by_id_goes_to_the_replica_running_the_request():
     r, candidates = router(), replicas(4)
     for i in range(32):
-        r.on_request_routed(call(DecodeRequest(f"req{i}", [1, 2], None, SamplingParams(), None)), f"r{i % 4}", None)
+        r.on_request_routed(call(FreshRequest(f"req{i}", [1, 2], SamplingParams())), f"r{i % 4}", None)
     for i in range(32):
         assert choose(r, candidates, call(f"req{i}")) == [f"r{i % 4}"]
     assert r.num_routed_to_holder == 32
@@ -40,18 +40,18 @@ def test_abort_by_id_goes_to_the_replica_running_the_request():
 
 def test_a_migrated_request_is_aborted_at_its_new_replica():
     r, candidates = router(), replicas(2)
-    r.on_request_routed(call(DecodeRequest("m", [1], None, SamplingParams(), None)), "r0", None)
-    r.on_request_routed(call(DecodeRequest("m", [1], 5, SamplingParams(), None, (6, 7))), "r1", None)
+    r.on_request_routed(call(FreshRequest("m", [1], SamplingParams())), "r0", None)
+    r.on_request_routed(call(Migrated("m", [1], SamplingParams(), (5, 6, 7))), "r1", None)
     assert choose(r, candidates, call("m")) == ["r1"]
 
 
 def test_unknown_ids_and_gone_holders_fall_back_to_two_random_replicas():
     r, candidates = router(), replicas(3)
     assert len(set(choose(r, candidates, call("never-routed")))) == 2
-    r.on_request_routed(call(DecodeRequest("x", [1], None, SamplingParams(), None)), "r9", None)  # r9 has since died
+    r.on_request_routed(call(FreshRequest("x", [1], SamplingParams())), "r9", None)  # r9 has since died
     picked = choose(r, candidates, call("x"))
     assert len(set(picked)) == 2 and "r9" not in picked and r.num_routed_to_holder == 0
-    assert choose(r, replicas(1), call(DecodeRequest("y", [1], None, SamplingParams(), None))) == ["r0"]
+    assert choose(r, replicas(1), call(FreshRequest("y", [1], SamplingParams()))) == ["r0"]
 
 
 def test_prefill_releases_by_id_go_to_the_lease_holder_under_prefix_routing():

@@ -1,0 +1,75 @@
+"""What both client APIs share: a request's prompt ids and checked sampling parameters, and
+the typed stream of ``Output`` one request produces (``Router.generate``). The gRPC adapter
+(``Router.generate_rpc`` behind router/grpc_server.py) and the HTTP adapter (router/http.py)
+each parse their own request shape with ``Frontend`` and render the stream in their own
+shape; neither goes through the other's types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.errors import InvalidRequestError
+from pdserve.sampling import SamplingParams, TokenLogprob
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per context token is refused untokenized
+
+
+@dataclass
+class Output:
+    """One piece of a request's answer: the tokens decode sent since the last piece, their
+    text (detokenized, stop strings applied), and the counts so far. The last piece has
+    ``finish_reason`` ("stop", "length", "abort")."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked for
+
+
+class Frontend:
+    """Prompt and parameter checks against the served model: ``tokenizer`` (HF), the served
+    ``model_name``, its context ``max_model_len`` (tokens) and ``vocab_size``. Every method
+    raises InvalidRequestError naming what is wrong."""
+
+    def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int):
+        self.tokenizer, self.model_name, self.max_model_len, self.vocab_size = tokenizer, model_name, max_model_len, vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise InvalidRequestError(f"unknown model {model!r}; this cluster serves {self.model_name!r}")
+
+    def check_text_size(self, num_chars: int) -> None:
+        """Refuse text far beyond the context before spending time tokenizing it."""
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if num_chars > limit:
+            raise InvalidRequestError(f"prompt is {num_chars} characters, more than a {self.max_model_len}-token context can hold (limit {limit})")
+
+    def text_ids(self, text: str) -> list[int]:
+        self.check_text_size(len(text))
+        return list(self.tokenizer(text).input_ids) if text else []
+
+    def chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+        """``messages``: (role, content) pairs; the model's chat template, with the generation prompt."""
+        if not messages:
+            raise InvalidRequestError("messages is empty: send at least one message")
+        self.check_text_size(sum(len(content) for _, content in messages))
+        for role, _ in messages:
+            if role not in CHAT_ROLES:
+                raise InvalidRequestError(f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+        if not any(content.strip() for _, content in messages):
+            raise InvalidRequestError("prompt is empty: every message has empty content")
+        chat = [{"role": role, "content": content} for role, content in messages]
+        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"])
+
+    def check_token_ids(self, name: str, ids: list[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{name} has {bad[0]}, outside the vocabulary of {self.vocab_size}")
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The checks every request gets, gRPC or HTTP."""
+        self.check_token_ids("stop_token_ids", list(params.stop_token_ids))
+        params.validate(len(prompt_ids), self.max_model_len)
