@@ -50,10 +50,11 @@ SETTLE_S, SAMPLE_S = 5.0, 2.0
 
 def cluster_config(backend: str, fault_dir: str, grpc_port: int = GRPC_PORT, http_port: int = HTTP_PORT) -> dict:
     """2 prefill + 2 decode replicas on ``backend``; prefill replicas armed from ``fault_dir``.
-    A KV fetch times out after 4 s, so an injected 5 s stall is a fault."""
+    A KV fetch times out after 4 s, so an injected 5 s stall is a fault. The router refuses
+    what would queue past 10 s (``router.max_queue_s``)."""
     pool = {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2}, "ray_actor_options": {"num_cpus": 0.5}, "kv_cache_tokens": 8192}
     env = {"runtime_env": {"env_vars": {"PDSERVE_FAULT_KV_DIR": fault_dir}}}
-    return {"model": {"max_model_len": 1024}, "router": {"grpc_port": grpc_port, "http_port": http_port, "retry_backoff_s": 0.2},
+    return {"model": {"max_model_len": 1024}, "router": {"grpc_port": grpc_port, "http_port": http_port, "retry_backoff_s": 0.2, "max_queue_s": 10.0},
             "prefill": {**pool, "ray_actor_options": {"num_cpus": 0.5, **env}}, "decode": pool,
             "kv_transfer": {"backend": backend, "timeout_s": 4.0}}
 
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--minutes", type=float, default=16.0, help="load time over all phases (capacity runs and set-up extra)")
     parser.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the measured capacity")
     parser.add_argument("--backends", nargs="+", default=["shm", "grpc"])
-    parser.add_argument("--concurrency", type=int, default=6, help="clients of the closed loop that measures capacity")
+    parser.add_argument("--concurrency", type=int, default=16, help="clients of the closed loop that measures capacity")
     parser.add_argument("--capacity-s", type=float, default=60.0, help="seconds of that closed loop, per phase")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")

@@ -47,15 +47,9 @@ def _ray_cli() -> str:
     return str(local) if local.exists() else "ray"
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _connect_ray(address: str | None, metrics_export_port: int = 8080, host: str = "127.0.0.1") -> bool:
+def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
     """Join ``address`` (or a running local cluster), else start a local head (its Prometheus
-    metrics on ``metrics_export_port``). True if we started it. A head started for client
-    APIs on loopback (``host``, router.host) runs on loopback too, so its metrics endpoint
-    listens there (Ray binds it to the node's address when that is loopback, else to all)
-    and no other machine can join it."""
+    metrics on ``metrics_export_port``). True if we started it."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -79,7 +73,7 @@ def _connect_ray(address: str | None, metrics_export_port: int = 8080, host: str
            "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": os.environ.get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")}
     subprocess.run(
         [_ray_cli(), "start", "--head", "--disable-usage-stats", "--include-dashboard=false", f"--num-cpus={os.cpu_count()}",
-         f"--metrics-export-port={metrics_export_port}", *(["--node-ip-address=127.0.0.1"] if host in LOOPBACK else [])],
+         f"--metrics-export-port={metrics_export_port}"],
         check=True, stdout=subprocess.DEVNULL, env=env,
     )
     ray.init(address="auto", log_to_driver=False)
@@ -141,7 +135,7 @@ def _up(config: Path | None, address: str | None, model: str | None = None, rede
         check_pools(cfg, AutoConfig.from_pretrained(model_dir), dtype)
     except ConfigError as e:
         raise _fail(str(e))
-    started_now = _connect_ray(address or cfg.ray.address, cfg.ray.metrics_export_port, cfg.router.host)
+    started_now = _connect_ray(address or cfg.ray.address, cfg.ray.metrics_export_port)
     started_ray = started_now or _read_state().get("started_ray", False)
     typer.echo("Deploying router, prefill and decode pools (each replica loads the model) ...", err=True)
     start = time.perf_counter()

@@ -2,11 +2,19 @@
 
 Every section is a dataclass; unknown keys raise ``ConfigError`` naming the key,
 so a typo never silently falls back to a default.
+
+The three pools (``prefill``, ``decode``, ``colocated``) share one dataclass, PoolConfig.
+A ``pool_defaults`` section sets keys for all three; each pool's section overrides them.
+The few keys of one role (``ROLE_KEYS``) live only in that role's sections: found in
+``pool_defaults`` they are refused, found in another pool's section (files written before
+``pool_defaults``) they are ignored with a warning that names where they belong.
+Precedence, lowest first: the pool's built-in default, ``pool_defaults``, its section.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +23,9 @@ from typing import Any
 import yaml
 
 from pdserve.autoscaling import PolicyConfigError, PolicySettings
+
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -65,9 +76,9 @@ class RouterConfig:
     # admission control: requests one router replica admits at once; the next ones get
     # RESOURCE_EXHAUSTED / HTTP 429 with a retry hint of retry_after_s
     max_in_flight: int = 256
-    # ... and while requests queue: the quickest start of decoding (a request's second token)
-    # of the last 2 s took longer than this many seconds (router/admission.py; null = never)
-    max_queue_s: float | None = 10.0
+    # ... and while a new request would queue longer than this many seconds before it decodes
+    # (a standing queue, or the prefill pool's expected wait: router/admission.py); null = never
+    max_queue_s: float | None = None
     retry_after_s: float = 1.0
     max_request_bytes: int = 4 << 20  # a larger HTTP body or gRPC request is refused
     # a request whose prefill replica dies is sent again, and one whose decode replica dies
@@ -150,6 +161,10 @@ class PoolConfig:
     enable_prefix_caching: bool = True
     optimize: bool = True  # CPU: C heap kept (allocator.py); GPU: CUDA graphs for decode
 
+
+POOLS = ("prefill", "decode", "colocated")
+# PoolConfig keys that only some pools use: they live only in those pools' sections
+ROLE_KEYS = {"kv_lease_s": ("prefill",), "stream_interval": ("decode", "colocated"), "max_kv_wait_s": ("decode", "colocated")}
 
 KV_BACKENDS = ("grpc", "shm", "cuda_ipc", "auto")
 ENGINE_BACKENDS = ("auto", "cpu", "torch", "cuda")  # pdserve.engine.backends.CHOICES
@@ -235,8 +250,21 @@ class ClusterConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "ClusterConfig":
         """Build from a parsed YAML mapping. Raises ConfigError on unknown keys or bad values."""
-        cfg = cls()
-        for section, values in (raw or {}).items():
+        cfg, raw = cls(), dict(raw or {})
+        defaults = raw.pop("pool_defaults", None) or {}
+        if not isinstance(defaults, dict):
+            raise ConfigError("cluster.yaml: pool_defaults must be a mapping of pool keys")
+        for key in defaults:
+            if key in ROLE_KEYS:
+                raise ConfigError(f"cluster.yaml: pool_defaults.{key} is not shared: set it in {' and '.join(ROLE_KEYS[key])}")
+        for pool in POOLS:
+            own = dict(raw.get(pool) or {})
+            for key in [k for k in own if k in ROLE_KEYS and pool not in ROLE_KEYS[k]]:
+                log.warning("cluster.yaml: %s.%s is ignored: only %s use it (set it there)", pool, key, " and ".join(ROLE_KEYS[key]))
+                del own[key]
+            if defaults or own:
+                raw[pool] = {**defaults, **own}
+        for section, values in raw.items():
             if section not in {f.name for f in dataclasses.fields(cls)}:
                 raise ConfigError(f"cluster.yaml: unknown section {section!r}")
             if section == "mode":
@@ -337,4 +365,11 @@ class ClusterConfig:
                 raise ConfigError(f"cluster.yaml: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The whole config as a mapping ``from_dict`` reads back: every pool's section in
+        full (no ``pool_defaults``), without the keys of other roles."""
+        out = dataclasses.asdict(self)
+        for pool in POOLS:
+            for key, roles in ROLE_KEYS.items():
+                if pool not in roles:
+                    del out[pool][key]
+        return out

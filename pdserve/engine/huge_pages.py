@@ -8,7 +8,7 @@ advised ``MADV_HUGEPAGE`` before it is touched (``/sys/kernel/mm/transparent_hug
 interleaved runs in one process: the bundled model's GEMVs at batch 1 (269 MB) 11.2 -> 10.7
 ms at best, 13.2 -> 12.1 ms median; decode attention at batch 32, context 512, blocks in random
 order, 30 layers: 31.3 -> 30.0 ms, and 32.9 -> 30.5 ms median with the L2 prefetches of
-kernels/paged_attention.c. Results are bit-identical: only the page size changes.
+the attention kernels in cpu/ (attention.c). Results are bit-identical: only the page size changes.
 
 Where the advice is refused (another OS, THP ``never``), the memory is plain anonymous memory.
 """

@@ -108,3 +108,51 @@ def test_the_app_is_built_with_the_settled_dtype():
 
     assert app_config(ClusterConfig())["model"]["dtype"] == ("bfloat16" if has_bf16_instructions() else "float32")
     assert app_config(ClusterConfig.from_dict({"model": {"dtype": "float16"}}))["model"]["dtype"] == "float16"
+
+
+def test_the_reference_documents_every_key_of_the_dataclasses_and_no_other():
+    """docs/configuration.md names each key as `section.key` (a pool key also as `*.key`),
+    and names no key the config does not have."""
+    import dataclasses
+    import re
+
+    from pdserve.config import POOLS, ROLE_KEYS, ClusterConfig
+
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    named = set(re.findall(r"`((?:\*|[a-z_]+)\.[a-z_]+)`", doc))
+    cfg, missing = ClusterConfig(), []
+    for section in dataclasses.fields(cfg):
+        if section.name == "mode":
+            continue
+        for key in dataclasses.fields(getattr(cfg, section.name)):
+            if section.name in POOLS and section.name not in ROLE_KEYS.get(key.name, POOLS):
+                continue  # another role's key
+            forms = {f"{section.name}.{key.name}"} | ({f"*.{key.name}", f"pool_defaults.{key.name}"} if section.name in POOLS else set())
+            if not forms & named:
+                missing.append(f"{section.name}.{key.name}")
+    assert not missing, f"docs/configuration.md does not document: {sorted(set(missing))}"
+    sections = {f.name for f in dataclasses.fields(cfg)} | {"*", "pool_defaults"}
+    pool_keys = {f.name for f in dataclasses.fields(cfg.prefill)}
+    unknown = [n for n in named if n.split(".")[0] in sections and n.split(".")[1] not in
+               ({f.name for f in dataclasses.fields(getattr(cfg, n.split(".")[0]))} if n.split(".")[0] not in ("*", "pool_defaults") else pool_keys)]
+    assert not unknown, f"docs/configuration.md names keys the config does not have: {sorted(unknown)}"
+
+
+def test_pool_defaults_apply_to_every_pool_under_its_own_section(caplog):
+    cfg = ClusterConfig.from_dict({"pool_defaults": {"max_num_seqs": 8, "block_size": 32},
+                                   "decode": {"max_num_seqs": 16, "stream_interval": 4}, "prefill": {"kv_lease_s": 5}})
+    assert (cfg.prefill.max_num_seqs, cfg.decode.max_num_seqs, cfg.colocated.max_num_seqs) == (8, 16, 8)
+    assert cfg.prefill.block_size == cfg.decode.block_size == cfg.colocated.block_size == 32
+    assert cfg.decode.max_ongoing_requests == 64 and cfg.prefill.max_ongoing_requests == 32  # built-in role defaults stay
+    assert cfg.decode.stream_interval == 4 and cfg.prefill.kv_lease_s == 5
+    assert ClusterConfig.from_dict(cfg.to_dict()) == cfg and "pool_defaults" not in cfg.to_dict()
+
+
+def test_a_role_key_is_refused_in_pool_defaults_and_ignored_with_a_warning_in_another_role(caplog):
+    with pytest.raises(ConfigError, match="pool_defaults.kv_lease_s is not shared: set it in prefill"):
+        ClusterConfig.from_dict({"pool_defaults": {"kv_lease_s": 5}})
+    with caplog.at_level("WARNING", logger="pdserve.config"):
+        cfg = ClusterConfig.from_dict({"decode": {"kv_lease_s": 5, "max_num_seqs": 8}, "prefill": {"stream_interval": 2}})
+    assert "decode.kv_lease_s is ignored: only prefill use it" in caplog.text
+    assert "prefill.stream_interval is ignored: only decode and colocated use it" in caplog.text
+    assert cfg.decode.max_num_seqs == 8 and cfg.prefill.kv_lease_s == 30.0
