@@ -13,7 +13,9 @@ backend this node offers (``shm``, then ``grpc``), and in each phase:
    expire at 30-85%) in the prefill replicas, through ``PDSERVE_FAULT_KV_DIR``;
 4. samples every 2 s whether a request runs on after its client left (below);
 5. when the last client is done, waits 5 s and checks every replica: requests running or
-   waiting, leases held, blocks in use, the router's requests in flight.
+   waiting, leases held, blocks in use, the router's requests in flight; and each replica's
+   RSS against its RSS 60% into the load (after the kills and the peak load they shift onto
+   the survivors: the C heap keeps its peak, so later growth is what a leak adds).
 
 The reference answers are each reference prompt's answer served alone on the idle cluster
 before any load; the engine is batch invariant (docs/numerics.md), so under load, faults,
@@ -46,6 +48,7 @@ GRPC_PORT, HTTP_PORT = 9400, 8400
 FAULTS = (("timeout", 0.30), ("break", 0.55), ("corrupt", 0.70), ("expire", 0.85))
 KILLS = (("prefill", 0.20), ("decode", 0.45))
 SETTLE_S, SAMPLE_S = 5.0, 2.0
+RSS_WARMUP = 0.6  # RSS "at the start" is taken this far into the load: after both kills and the load they shift
 
 
 def cluster_config(backend: str, fault_dir: str, grpc_port: int = GRPC_PORT, http_port: int = HTTP_PORT) -> dict:
@@ -157,6 +160,13 @@ async def faults(fault_dir: str, seconds: float, start: float, log: list[str]) -
             log.append(f"{time.monotonic() - start:.0f}s armed KV fault {what}")
 
 
+async def rss_after(when: float) -> dict[str, int]:
+    """Each replica's RSS at monotonic time ``when``. The C heap keeps its peak
+    (pdserve/engine/allocator.py), so growth after the load's peaks is what a leak adds."""
+    await asyncio.sleep(max(0.0, when - time.monotonic()))
+    return (await asyncio.to_thread(final_state))["rss_bytes"]
+
+
 def final_state() -> dict:
     """Per replica: what it still holds. Also the router's requests in flight."""
     from ray import serve
@@ -186,15 +196,16 @@ async def run_phase(backend: str, fault_dir: str, seconds: float, load: float, r
         caller = Caller(AsyncClient(f"127.0.0.1:{ports[0]}", retries=0), http, base_url, served_model(base_url), deadline_s)
         refs = refs if refs is not None else await references(caller, rng, 12)
         rate = load * await capacity(caller, refs, rng, concurrency, capacity_s)
-        rss_start = (await asyncio.to_thread(final_state))["rss_bytes"]
         tally, stop, log, tasks = Tally(), asyncio.Event(), [], []
         sampler = asyncio.ensure_future(sample_leftovers(tally, stop))
         start = time.monotonic()
         injector = asyncio.ensure_future(faults(fault_dir, seconds, start, log))
+        rss_start = asyncio.ensure_future(rss_after(start + RSS_WARMUP * seconds))
         while time.monotonic() < start + seconds:
             tasks.append(asyncio.ensure_future(tally.run(caller, draw(rng, refs, cancel_share), random.Random(rng.random()))))
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks, injector)
+        rss_start = rss_start.result()
         await asyncio.sleep(SETTLE_S)
         stop.set()
         leftover = await sampler
@@ -222,7 +233,8 @@ async def run_phase(backend: str, fault_dir: str, seconds: float, load: float, r
 
 
 def rss_growth(phase: dict) -> float | None:
-    """The largest relative RSS growth of a replica alive at the phase's start and end."""
+    """The largest relative RSS growth of a replica alive from the end of the load's warm-up
+    (``RSS_WARMUP``) to the end of the phase."""
     both = [r for r in phase["rss_start_bytes"] if r in phase["rss_end_bytes"]]
     return max((phase["rss_end_bytes"][r] / phase["rss_start_bytes"][r] - 1 for r in both), default=None)
 
