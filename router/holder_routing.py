@@ -82,13 +82,17 @@ class HolderAwareRouter(RequestRouter):
                 return replica
         return None
 
+    def to_holder(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None) -> list[list[RunningReplica]] | None:
+        """The ranks for a by-id call whose holder is live (that replica alone), else None."""
+        holder = self.holder_of(candidate_replicas, pending_request)
+        if holder is None:
+            return None
+        self.num_routed_to_holder += 1
+        return [[holder]]
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        holder = self.holder_of(candidate_replicas, pending_request)
-        if holder is not None:
-            self.num_routed_to_holder += 1
-            return [[holder]]
-        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        return self.to_holder(candidate_replicas, pending_request) or [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         request_id = carried_request_id(pending_request)

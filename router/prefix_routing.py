@@ -106,10 +106,9 @@ class PrefixAwareRouter(HolderAwareRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        holder = self.holder_of(candidate_replicas, pending_request)
-        if holder is not None:  # a release by id: where the lease is
-            self.num_routed_to_holder += 1
-            return [[holder]]
+        held = self.to_holder(candidate_replicas, pending_request)
+        if held is not None:  # a release by id: where the lease is
+            return held
         prompt = prompt_of(pending_request)
         if prompt is None:  # not a prefill (stats, an id routed elsewhere): any, Ray Serve takes the shorter queue
             return [list(candidate_replicas)]
