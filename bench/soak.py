@@ -15,7 +15,9 @@ backend this node offers (``shm``, then ``grpc``), and in each phase:
 5. when the last client is done, waits 5 s and checks every replica: requests running or
    waiting, leases held, blocks in use, the router's requests in flight; and each replica's
    RSS against its RSS 60% into the load (after the kills and the peak load they shift onto
-   the survivors: the C heap keeps its peak, so later growth is what a leak adds).
+   the survivors: the C heap keeps its peak, so later growth is what a leak adds). The RSS
+   target counts the replicas that served the whole load; the replacements of the killed
+   ones, started mid-load and still warming up, are reported apart.
 
 The reference answers are each reference prompt's answer served alone on the idle cluster
 before any load; the engine is batch invariant (docs/numerics.md), so under load, faults,
@@ -198,6 +200,7 @@ async def run_phase(backend: str, fault_dir: str, seconds: float, load: float, r
         rate = load * await capacity(caller, refs, rng, concurrency, capacity_s)
         tally, stop, log, tasks = Tally(), asyncio.Event(), [], []
         sampler = asyncio.ensure_future(sample_leftovers(tally, stop))
+        at_start = sorted((await asyncio.to_thread(final_state))["rss_bytes"])
         start = time.monotonic()
         injector = asyncio.ensure_future(faults(fault_dir, seconds, start, log))
         rss_start = asyncio.ensure_future(rss_after(start + RSS_WARMUP * seconds))
@@ -223,7 +226,7 @@ async def run_phase(backend: str, fault_dir: str, seconds: float, load: float, r
         "explicit_errors": {k.split(":", 1)[1]: n for k, n in kinds.items() if k.startswith("error:")},
         "cancels_left_running": max(0, leftover, end["running"]),
         "blocks_leaked": end["blocks_leaked"], "leases_leaked": end["leases_leaked"], "router_in_flight": end["router_in_flight"],
-        "rss_start_bytes": rss_start, "rss_end_bytes": end["rss_bytes"],
+        "replicas_at_load_start": at_start, "rss_start_bytes": rss_start, "rss_end_bytes": end["rss_bytes"],
         "kv_faults_taken": sorted(name.split(".")[0] for name in armed if ".taken-" in name),
         "kv_faults_not_taken": sorted(name for name in armed if ".taken-" not in name),
         "ttft_p99_s": p99([o.ttft_s for o in ok if o.ttft_s is not None]), "tpot_p99_s": p99([o.tpot_s for o in ok if o.tpot_s is not None]),
@@ -232,10 +235,13 @@ async def run_phase(backend: str, fault_dir: str, seconds: float, load: float, r
     }, refs
 
 
-def rss_growth(phase: dict) -> float | None:
-    """The largest relative RSS growth of a replica alive from the end of the load's warm-up
-    (``RSS_WARMUP``) to the end of the phase."""
-    both = [r for r in phase["rss_start_bytes"] if r in phase["rss_end_bytes"]]
+def rss_growth(phase: dict, replacements: bool = False) -> float | None:
+    """The largest relative RSS growth, from the end of the load's warm-up (``RSS_WARMUP``)
+    to the end of the phase, of a replica that served the whole load (``replacements``
+    False); or of one that replaced a killed replica during it (True: it was still warming
+    up its caches and C heap at the first sample, so its growth is reported, not a target)."""
+    first = set(phase["replicas_at_load_start"])
+    both = [r for r in phase["rss_start_bytes"] if r in phase["rss_end_bytes"] and (r not in first) == replacements]
     return max((phase["rss_end_bytes"][r] / phase["rss_start_bytes"][r] - 1 for r in both), default=None)
 
 
@@ -245,12 +251,14 @@ def summarize(phases: list[dict]) -> dict:
     for p in phases:
         errors.update(p["explicit_errors"])
     growth = [g for g in map(rss_growth, phases) if g is not None]
+    late = [g for g in (rss_growth(p, replacements=True) for p in phases) if g is not None]
     return {
         "requests_total": total("requests_total"), "requests_lost": total("requests_lost"), "wrong_outputs": total("wrong_outputs"),
         "explicit_errors": dict(errors), "cancels_left_running": max(p["cancels_left_running"] for p in phases),
         "blocks_leaked": sum(sum(p["blocks_leaked"].values()) for p in phases),
         "leases_leaked": sum(sum(p["leases_leaked"].values()) for p in phases),
         "rss_growth_max": round(max(growth), 4) if growth else None,
+        "rss_growth_max_replacements": round(max(late), 4) if late else None,
         "kv_faults_injected": {p["backend"]: p["kv_faults_taken"] for p in phases},
     }
 
