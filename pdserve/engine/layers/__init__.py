@@ -1,7 +1,8 @@
 """The model files' building blocks, each a thin holder of weights over a compute backend."""
 
+from pdserve.engine.layers.embedding import Embedding
 from pdserve.engine.layers.linear import Linear
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import Rotary
 
-__all__ = ["Linear", "RMSNorm", "Rotary"]
+__all__ = ["Embedding", "Linear", "RMSNorm", "Rotary"]

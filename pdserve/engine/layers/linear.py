@@ -44,9 +44,16 @@ class Linear:
         return packed
 
     def to_dense(self) -> None:
-        """Compute with the dense weight from now on."""
+        """Compute with the dense weight from now on. Raises RuntimeError after ``drop_dense``."""
         if self.quantized:
+            if self.weight is None:
+                raise RuntimeError(f"{self.name}: its dense weight was dropped")
             self.packed, self.quantized = self.backend.pack(self.weight), False
+
+    def drop_dense(self) -> None:
+        """A quantized layer lets its dense weight go (its blocks are what it computes with)."""
+        if self.quantized:
+            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [M, in_features] -> [M, out_features]."""

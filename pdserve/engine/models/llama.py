@@ -23,10 +23,9 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.engine.backends.base import Backend, StepMetadata
-from pdserve.engine.layers import Linear, RMSNorm, Rotary
+from pdserve.engine.layers import Embedding, Linear, RMSNorm, Rotary
 from pdserve.engine.layers.rotary import rotary_tables
 from pdserve.engine.quantized import QuantizedWeight
 
@@ -92,8 +91,9 @@ class LlamaForCausalLM:
         hf_inner = hf_model.get_decoder()
         cos, sin = rotary_tables(hf_inner.rotary_emb, max(max_positions, 1), self.device)
         rotary = Rotary(backend, cos, sin)
-        self.embed = params["model.embed_tokens.weight"].detach()
         quantized = quantized or {}
+        embed = params["model.embed_tokens.weight"]
+        self.embed = Embedding(embed, quantized.get("model.embed_tokens.weight"))
         self.layers = [DecoderLayer(backend, params, f"model.layers.{i}.", i, cfg, rotary, quantized) for i in range(cfg.num_hidden_layers)]
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         if 0 < sum(lin.quantized for lin in linears) < len(linears):
@@ -101,15 +101,18 @@ class LlamaForCausalLM:
             for lin in linears:
                 lin.to_dense()
         self.norm = RMSNorm(backend, params["model.norm.weight"], cfg.rms_norm_eps)
-        self.lm_head = Linear(backend, params.get("lm_head.weight", self.embed), quantized=quantized.get("lm_head.weight"), name="lm_head.weight")
-        self.quantized = {"layers": linears[0].quantized if linears else False, "lm_head": self.lm_head.quantized}
+        self.lm_head = Linear(backend, params.get("lm_head.weight", embed), quantized=quantized.get("lm_head.weight"), name="lm_head.weight")
+        for lin in (*linears, self.lm_head):  # what computes from blocks keeps no dense copy (the model's RSS)
+            lin.drop_dense()
+        self.quantized = {"layers": linears[0].quantized if linears else False, "lm_head": self.lm_head.quantized,
+                          "embedding": self.embed.quantized}
         self.fused = backend.fuse_layers(self.layers)  # all layers in one backend call, or None
 
     @torch.inference_mode()
     def forward(self, meta: StepMetadata) -> torch.Tensor:
         """One step over ``meta``'s N new tokens. Returns logits [S, vocab] float32 at each
         sequence's last new token."""
-        h, residual = F.embedding(meta.input_ids, self.embed), None  # [N, H]
+        h, residual = self.embed(meta.input_ids), None  # [N, H]
         if self.fused is not None and not meta.kv_progress:  # layer-wise streaming marks each layer: not fused
             h, residual = self.fused(h, meta)
         else:
