@@ -9,6 +9,7 @@ import torch
 from kv_transfer.factory import shm_pool_path
 from kv_transfer.fingerprint import KVFingerprint
 from pdserve.config import ClusterConfig, ConfigError, PoolConfig
+from pdserve.engine.allocator import release_free_memory
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.kv_layout import KVSpec
@@ -148,6 +149,8 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
     engine = Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_memory=memory, quantized=quantized)
     if quantized is not None:
         log.info("%s: linear layers over the GGUF's blocks: %s", pool_name, engine.model.quantized)
+    del model  # the engine holds what it computes with (no dense copy where it reads blocks)
+    release_free_memory()
     return engine, fingerprint
 
 
