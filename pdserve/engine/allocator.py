@@ -51,13 +51,21 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
-def _apply() -> bool:
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library where it is glibc (musl has mallopt as a no-op stub), else None."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: musl has mallopt as a no-op stub
+        libc.gnu_get_libc_version
     except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _apply() -> bool:
+    libc = _glibc()
+    if libc is None:
         return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = all(libc.mallopt(param, value) == 1 for param, value in (
@@ -74,12 +82,9 @@ def release_free_memory() -> bool:
     Measured (``worker.build_engine``, bundled model, float32 decode pool on its GGUF blocks,
     EPYC Zen 4, 2026-12-03): RSS 1,163 MiB, against 1,552 MiB when the pool kept its dense
     weights and did not trim. Returns False off glibc."""
-    if not sys.platform.startswith("linux"):
+    libc = _glibc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim(0)
     return True

@@ -20,7 +20,6 @@ from pdserve.engine.quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-BLOCK = 32  # weights per block, every type here
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml_type (Q4_0, Q4_1, Q8_0) -> bytes per block
 
 
