@@ -23,6 +23,7 @@
 #define PDSERVE_ATTENTION_DP_H
 
 #define DT 32 /* keys per tile */
+#define DP_RB 6 /* rows per block of a prompt chunk */
 #define PFH _MM_HINT_T1 /* into L2: on the AVX512-BF16 EPYC, T0's few L1 fill buffers stalled (decode at
                          * batch 32, context 512: 7.7 GB/s with T1 or T2, 5.6 with T0, 5.2 with none) */
 
@@ -64,17 +65,32 @@ static void dp_transpose_keys(uint32_t *kt, const char *const *kr, int64_t D) {
     }
 }
 
-/* dp_scores3's sums for one row from the transposed pairs: pair-class accumulators c_i
- * (pair p = 16c + i), then the same tree over i. */
-static inline void dp_scores_transposed(float *s, const uint16_t *q, const uint32_t *kt, int64_t D) {
-    __m512 c[16];
-    for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
-    for (int64_t p0 = 0; p0 < D / 2; p0 += 16)
-        for (int i = 0; i < 16; i++) c[i] = dpbf(c[i], bcast_pair(q + 2 * (p0 + i)), _mm512_loadu_si512(kt + (p0 + i) * KT));
-    for (int i = 0; i < 8; i++) c[i] = _mm512_add_ps(c[i], c[i + 8]);
-    for (int i = 0; i < 4; i++) c[i] = _mm512_add_ps(c[i], c[i + 4]);
-    for (int i = 0; i < 2; i++) c[i] = _mm512_add_ps(c[i], c[i + 2]);
-    _mm512_storeu_ps(s, _mm512_add_ps(c[0], c[1]));
+/* dp_scores3's sums from the transposed pairs, for NR rows at once (the tile's 16 keys of kt
+ * in lanes): pair-class sums c_i (pair p = 16c + i, c in order) then the same tree over i
+ * (i + 8, + 4, + 2, + 1), evaluated depth first so that few classes are live and each kt
+ * vector is loaded once for the NR rows. Addition commutes, so the bits are the tree's. */
+static inline __attribute__((always_inline)) void dp_cls(const int NR, __m512 *c, const uint16_t *const *q, const uint32_t *kt, int i, int64_t D) {
+    for (int r = 0; r < NR; r++) c[r] = _mm512_setzero_ps();
+    for (int64_t p = i; p < D / 2; p += 16) {
+        const __m512i k = _mm512_loadu_si512(kt + p * KT);
+        for (int r = 0; r < NR; r++) c[r] = dpbf(c[r], bcast_pair(q[r] + 2 * p), k);
+    }
+}
+#define DP_LEVEL(name, lower, step)                                                                                             \
+    static inline __attribute__((always_inline)) void name(const int NR, __m512 *o, const uint16_t *const *q, const uint32_t *kt, int i, \
+                                                           int64_t D) {                                                             \
+        __m512 a[3], b[3];                                                                                                           \
+        lower(NR, a, q, kt, i, D), lower(NR, b, q, kt, i + step, D);                                                                 \
+        for (int r = 0; r < NR; r++) o[r] = _mm512_add_ps(a[r], b[r]);                                                               \
+    }
+DP_LEVEL(dp_t, dp_cls, 8) /* c_i + c_i+8 */
+DP_LEVEL(dp_u, dp_t, 4)   /* t_i + t_i+4 */
+DP_LEVEL(dp_v, dp_u, 2)   /* u_i + u_i+2 */
+DP_LEVEL(dp_s, dp_v, 1)   /* v_0 + v_1 */
+static inline __attribute__((always_inline)) void dp_scores_transposed(const int NR, float *const *s, const uint16_t *const *q, const uint32_t *kt, int64_t D) {
+    __m512 o[3];
+    dp_s(NR, o, q, kt, 0, D);
+    for (int r = 0; r < NR; r++) _mm512_storeu_ps(s[r], o[r]);
 }
 
 /* The tile's values in key pairs: vp[jp * D + d] = (v_2jp[d], v_2jp+1[d]), jp < DT / 2. */
@@ -96,7 +112,7 @@ static void dp_pair_values(uint32_t *vp, const char *const *vr, int64_t D) {
 static inline __attribute__((always_inline)) void dp_rows(const int NR, float *const *s, const int64_t *nr, float *const *m, float *const *l,
                                                           float *const *acc, const uint32_t *vp, int64_t D, __m512 scale) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    uint16_t pb[3][DT];
+    uint16_t pb[DP_RB][DT];
     int np = DT / 4; /* key pairs with a probability for some row */
     for (int i = 0; i < NR; i++) {
         const __mmask16 m0 = (__mmask16)(nr[i] >= 16 ? 0xFFFFu : (1u << nr[i]) - 1);
@@ -121,7 +137,7 @@ static inline __attribute__((always_inline)) void dp_rows(const int NR, float *c
     /* acc += sum over key pairs of p V, pairs in order (a row's pairs past its keys have p = 0) */
     int64_t d = 0;
     for (; d + 64 <= D; d += 64) {
-        __m512 o[3][4];
+        __m512 o[DP_RB][4];
         for (int i = 0; i < NR; i++)
             for (int k = 0; k < 4; k++) o[i][k] = _mm512_loadu_ps(acc[i] + d + 16 * k);
         for (int jp = 0; jp < np; jp++) {
@@ -143,22 +159,41 @@ static inline __attribute__((always_inline)) void dp_rows(const int NR, float *c
         }
 }
 
-/* Asks for keys j..end-1's K and V rows ahead of use. Each 4 KiB page holds 32 keys of one
- * head, and hardware prefetchers stop at page ends, so without this every tile waits on DRAM. */
-static inline void dp_prefetch(const attn_args *a, const int32_t *table, const char *kh, const char *vh, int64_t j, int64_t end) {
-    const int64_t bs = a->block_size, row = a->D * 2;
-    while (j < end) {
-        int64_t o = j % bs, run = bs - o < end - j ? bs - o : end - j, slot = (int64_t)table[j / bs] * bs + o;
-        for (int64_t x = slot * row; x < (slot + run) * row; x += 64) _mm_prefetch(kh + x, PFH), _mm_prefetch(vh + x, PFH);
-        j += run;
+/* The K and V rows of one head's keys j0 .. j0 + DT - 1 (those up to last; the rest read
+ * zeros) through a sequence's block table. Returns how many are real. */
+static inline int64_t dp_tile_rows(const attn_args *a, const int32_t *table, const char *kh, const char *vh, int64_t j0, int64_t last,
+                                   const char **kr, const char **vr) {
+    static const uint16_t zeros[MAX_D] = {0};
+    const int64_t n = last + 1 - j0 < DT ? last + 1 - j0 : DT, row = a->D * 2;
+    for (int64_t j = 0; j < n;) { /* runs of keys in one block */
+        const int64_t o = (j0 + j) % a->block_size, run = a->block_size - o < n - j ? a->block_size - o : n - j;
+        const int64_t slot = (int64_t)table[(j0 + j) / a->block_size] * a->block_size + o;
+        for (int64_t x = 0; x < run; x++, j++) kr[j] = kh + (slot + x) * row, vr[j] = vh + (slot + x) * row;
+    }
+    for (int64_t j = n < 0 ? 0 : n; j < DT; j++) kr[j] = vr[j] = (const char *)zeros;
+    return n < 0 ? 0 : n;
+}
+
+/* The next tile's K and V rows asked for ahead (into L2), keys *done .. upto - 1, a few at a
+ * time between the current tile's pieces of work. Each 4 KiB page holds 32 keys of one head
+ * and hardware prefetchers stop at page ends, so without this every tile waits on DRAM; and
+ * a whole tile's 128 prefetches at once fill the core's miss buffers and stall it until they
+ * return (decode at batch 32, context 512, on the AVX512-BF16 EPYC: 8.4 GB/s at once, more
+ * when spread), so they go out in parts. */
+static inline void dp_prefetch(const char *const *kn, const char *const *vn, int64_t n, int64_t *done, int64_t upto, int64_t D) {
+    for (; *done < upto; ++*done) { /* V rows first: the tile's first work reads them */
+        const char *p = *done < n ? vn[*done] : kn[*done - n];
+        for (int64_t x = 0; x < D * 2; x += 64) _mm_prefetch(p + x, PFH);
     }
 }
 
 /* Per-thread work for units of up to R rows of head dim D. */
 static size_t dp_work_bytes(int64_t R, int64_t D) { return sizeof(float) * (size_t)(R * D + 2 * R) + sizeof(uint32_t) * (size_t)(D * DT + DT / 2 * D) + 64; }
 
-static void attend_unit_dp(const attn_args *a, int64_t t0, int64_t t1, int64_t g, char *work) {
-    static const uint16_t zeros[MAX_D] = {0}; /* keys and values past the tile's end */
+/* kn0, vn0, nn0: the first tile of the unit the thread does next (its rows, how many), asked
+ * for during this unit's last tile. */
+static void attend_unit_dp(const attn_args *a, int64_t t0, int64_t t1, int64_t g, char *work, const char *const *kn0, const char *const *vn0,
+                           int64_t nn0) {
     const int64_t G = a->heads / a->kv_heads, D = a->D, R = (t1 - t0) * G;
     float *acc = (float *)work, *m = acc + R * D, *l = m + R;
     uint32_t *kt = (uint32_t *)(l + R), *vp = kt + D * DT; /* kt: two halves of [D / 2][16] */
@@ -176,44 +211,50 @@ static void attend_unit_dp(const attn_args *a, int64_t t0, int64_t t1, int64_t g
     const int64_t last = a->positions[t1 - 1];
     const int transposed = R >= 8; /* many rows: keys transposed once per tile */
     const __m512 scale = _mm512_set1_ps(a->scale);
+    const char *kr[DT], *vr[DT], *kn[DT], *vn[DT];
+    int64_t n = dp_tile_rows(a, table, kh, vh, 0, last, kr, vr);
     for (int64_t j0 = 0; j0 <= last; j0 += DT) {
-        const int64_t n = last + 1 - j0 < DT ? last + 1 - j0 : DT;
-        const char *kr[DT], *vr[DT];
-        for (int64_t j = 0; j < n;) { /* runs of keys in one block */
-            const int64_t o = (j0 + j) % a->block_size, run = a->block_size - o < n - j ? a->block_size - o : n - j;
-            const int64_t slot = (int64_t)table[(j0 + j) / a->block_size] * a->block_size + o;
-            const char *kp = kh + slot * D * 2, *vq = vh + slot * D * 2;
-            for (int64_t x = 0; x < run; x++, j++) kr[j] = kp + x * D * 2, vr[j] = vq + x * D * 2;
-        }
-        for (int64_t j = n; j < DT; j++) kr[j] = vr[j] = (const char *)zeros;
-        dp_prefetch(a, table, kh, vh, j0 + DT, last + 1 < j0 + 2 * DT ? last + 1 : j0 + 2 * DT); /* the next tile (2 or 4 ahead: no better) */
+        int64_t nn = 0, pf = 0; /* the next tile: its keys, and how many asked for so far */
+        const char *const *kq = kn, *const *vq = vn;
+        if (j0 + DT <= last) nn = dp_tile_rows(a, table, kh, vh, j0 + DT, last, kn, vn);
+        else kq = kn0, vq = vn0, nn = nn0;
+        dp_prefetch(kq, vq, nn, &pf, 2 * nn < 16 ? 2 * nn : 16, D);
         dp_pair_values(vp, vr, D);
+        dp_prefetch(kq, vq, nn, &pf, 2 * nn < 32 ? 2 * nn : 32, D);
         if (transposed) dp_transpose_keys(kt, kr, D), dp_transpose_keys(kt + D / 2 * 16, kr + 16, D);
-        float s3[3][DT];
-        for (int64_t r0 = 0; r0 < R; r0 += 3) { /* rows three at a time */
-            const int64_t nrow = R - r0 < 3 ? R - r0 : 3;
-            if (!transposed) {
-                const uint16_t *q1 = qr[nrow > 1 ? r0 + 1 : r0], *q2 = qr[nrow > 2 ? r0 + 2 : r0];
-                dp_scores3(s3, 0, qr[r0], q1, q2, kr, D);
-                if (n > 16) dp_scores3(s3, 16, qr[r0], q1, q2, kr + 16, D);
+        float s6[DP_RB][DT];
+        const int64_t rb = transposed ? DP_RB : 3; /* rows per block: PV shares each V load among them */
+        for (int64_t r0 = 0; r0 < R; r0 += rb) {
+            const int64_t nrow = R - r0 < rb ? R - r0 : rb;
+            for (int64_t b = 0; b < nrow; b += 3) { /* scores, three rows at a time */
+                const int64_t r = r0 + b, nb = nrow - b < 3 ? nrow - b : 3;
+                const uint16_t *q3[3] = {qr[r], qr[nb > 1 ? r + 1 : r], qr[nb > 2 ? r + 2 : r]};
+                if (!transposed) {
+                    dp_scores3(s6 + b, 0, q3[0], q3[1], q3[2], kr, D);
+                    dp_prefetch(kq, vq, nn, &pf, 2 * nn < pf + 16 ? 2 * nn : pf + 16, D);
+                    if (n > 16) dp_scores3(s6 + b, 16, q3[0], q3[1], q3[2], kr + 16, D);
+                } else {
+                    float *lo[3] = {s6[b], s6[b + 1], s6[b + 2]}, *hi[3] = {s6[b] + 16, s6[b + 1] + 16, s6[b + 2] + 16};
+                    dp_scores_transposed(3, lo, q3, kt, D);
+                    if (rowpos[r + nb - 1] + 1 - j0 > 16) dp_scores_transposed(3, hi, q3, kt + D / 2 * 16, D);
+                }
             }
-            float *sl[3], *ml[3], *ll[3], *al[3];
-            int64_t nl[3];
+            dp_prefetch(kq, vq, nn, &pf, 2 * nn < pf + 16 ? 2 * nn : pf + 16, D);
+            float *sl[DP_RB], *ml[DP_RB], *ll[DP_RB], *al[DP_RB];
+            int64_t nl[DP_RB];
             int live = 0;
             for (int64_t i = 0; i < nrow; i++) {
                 const int64_t r = r0 + i, nr = rowpos[r] + 1 - j0 < DT ? rowpos[r] + 1 - j0 : DT; /* this row's keys in the tile */
                 if (nr <= 0) continue;
-                if (transposed) {
-                    dp_scores_transposed(s3[i], qr[r], kt, D);
-                    if (nr > 16) dp_scores_transposed(s3[i] + 16, qr[r], kt + D / 2 * 16, D);
-                }
-                sl[live] = s3[i], nl[live] = nr, ml[live] = m + r, ll[live] = l + r, al[live] = acc + r * D, live++;
+                sl[live] = s6[i], nl[live] = nr, ml[live] = m + r, ll[live] = l + r, al[live] = acc + r * D, live++;
             }
-            if (live == 3)
-                dp_rows(3, sl, nl, ml, ll, al, vp, D, scale);
-            else
-                for (int i = 0; i < live; i++) dp_rows(1, sl + i, nl + i, ml + i, ll + i, al + i, vp, D, scale);
+            int i = 0;
+            if (live == DP_RB) dp_rows(DP_RB, sl, nl, ml, ll, al, vp, D, scale), i = DP_RB;
+            for (; i + 3 <= live; i += 3) dp_rows(3, sl + i, nl + i, ml + i, ll + i, al + i, vp, D, scale);
+            for (; i < live; i++) dp_rows(1, sl + i, nl + i, ml + i, ll + i, al + i, vp, D, scale);
         }
+        dp_prefetch(kq, vq, nn, &pf, 2 * nn, D);
+        memcpy(kr, kn, sizeof kr), memcpy(vr, vn, sizeof vr), n = nn;
     }
     for (int64_t r = 0; r < R; r++) {
         int64_t t = t0 + r / G, h = r % G;
@@ -227,9 +268,15 @@ static int attend_range_dp(const attn_args *a, int64_t begin, int64_t end) {
     if (!a->bf || a->D % 32) return 0;
     char *work = malloc(dp_work_bytes(QB * (a->heads / a->kv_heads), a->D));
     if (!work) return 0;
+    const char *kn0[DT], *vn0[DT];
     for (int64_t i = begin; i < end; i++) {
-        int64_t unit = unit_at(a, i), b = unit / a->kv_heads, g = unit % a->kv_heads;
-        attend_unit_dp(a, a->blocks[b], a->blocks[b + 1], g, work);
+        int64_t unit = unit_at(a, i), b = unit / a->kv_heads, g = unit % a->kv_heads, nn0 = 0;
+        if (i + 1 < end) { /* the next unit's first tile, asked for during this unit's last */
+            int64_t nu = unit_at(a, i + 1), nb = nu / a->kv_heads, ng = nu % a->kv_heads;
+            nn0 = dp_tile_rows(a, a->tables + (int64_t)a->token_seq[a->blocks[nb]] * a->max_blocks, (const char *)a->k + ng * a->kv_head_stride * 2,
+                               (const char *)a->v + ng * a->kv_head_stride * 2, 0, a->positions[a->blocks[nb + 1] - 1], kn0, vn0);
+        }
+        attend_unit_dp(a, a->blocks[b], a->blocks[b + 1], g, work, kn0, vn0, nn0);
     }
     free(work);
     return 1;
