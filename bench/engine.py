@@ -98,16 +98,20 @@ def _timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]  # median
 
 
+DECODE_STEPS_PER_REPEAT = 4  # a decode step is cheap and these machines' timings move 10-40%: more samples for its median
+
+
 def pdserve_decode_step(engine: Engine, batch: int, context: int, repeats: int) -> float:
-    """Median seconds of one decode step of ``batch`` sequences with ``context`` tokens of KV each."""
-    seqs = []
+    """Median seconds of one decode step of ``batch`` sequences with ``context`` tokens of KV
+    each, over ``DECODE_STEPS_PER_REPEAT * repeats`` steps (the context grows by one a step)."""
+    seqs, steps = [], DECODE_STEPS_PER_REPEAT * repeats
     for i in range(batch):
-        blocks = engine.reserve(context + repeats + 2)
+        blocks = engine.reserve(context + steps + 2)
         tokens = torch.randint(100, 40000, (context + 1,)).tolist()
-        seq = Sequence(f"b{i}", tokens, context, SamplingParams(max_tokens=repeats + 2, ignore_eos=True), num_computed_tokens=context, block_table=blocks)
+        seq = Sequence(f"b{i}", tokens, context, SamplingParams(max_tokens=steps + 2, ignore_eos=True), num_computed_tokens=context, block_table=blocks)
         engine.add(seq)
         seqs.append(seq)
-    step = _timed(engine.step, repeats)
+    step = _timed(engine.step, steps)
     for seq in seqs:
         engine.abort(seq)
     return step
@@ -226,7 +230,7 @@ def main() -> None:
     machine = f"machine: {hw['cpu']} [{hw['cpu_flags']}]{' / ' + hw['gpu'] if 'gpu' in hw else ''}, torch {hw['torch']}"
     print(machine, flush=True)
     model = random_model(args.dtype, args.device) if args.model == "random:smollm2" else load_model(resolve_model_dir(args.model), args.dtype, args.device)  # HF eager runs it too
-    blocks_per_seq = -(-(args.context + args.repeats + 2) // 16)
+    blocks_per_seq = -(-(args.context + DECODE_STEPS_PER_REPEAT * args.repeats + 2) // 16)
     num_blocks = max(max(batches) * blocks_per_seq, -(-max(lengths) // 16)) + 8
     config = EngineConfig(num_blocks=num_blocks, max_num_seqs=max(batches), enable_prefix_caching=False, backend=args.backend)
     engine = Engine(model, config, frozenset(), 8192)

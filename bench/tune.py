@@ -33,13 +33,13 @@ def profile(model_name: str, dtype: str, prompt_lengths: list[int], batches: lis
     """Seconds per prefill at each prompt length, per decode step at each batch size (one thread)."""
     import torch
 
-    from bench.engine import pdserve_decode_step, pdserve_prefill
+    from bench.engine import DECODE_STEPS_PER_REPEAT, pdserve_decode_step, pdserve_prefill
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.model_loader import load_model, resolve_model_dir
 
     torch.set_num_threads(1)
     model = load_model(resolve_model_dir(model_name), dtype)
-    blocks = max(max(batches) * -(-(context + 8) // 16), -(-max(prompt_lengths) // 16)) + 8
+    blocks = max(max(batches) * -(-(context + DECODE_STEPS_PER_REPEAT * 2 + 2) // 16), -(-max(prompt_lengths) // 16)) + 8
     engine = Engine(model, EngineConfig(num_blocks=blocks, max_num_seqs=max(batches), enable_prefix_caching=False), frozenset(), 8192)
     prefill = {n: pdserve_prefill(engine, n, repeats=1) for n in prompt_lengths}
     decode = {b: pdserve_decode_step(engine, b, context, repeats=2) for b in batches}

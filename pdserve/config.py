@@ -136,7 +136,7 @@ class PoolConfig:
     # at 0 the two time-slice the core and prefill's parallel steps wait on the slower thread
     engine_nice: int = 0
     # dense | quantized | auto: linear layers over the GGUF's blocks as stored (Q8_0, Q4_0,
-    # Q4_1; the same bits as dense), for a decode step that reads fewer bytes; auto =
+    # Q4_1, Q4_K, Q6_K; the same bits as dense), for a decode step that reads fewer bytes; auto =
     # quantized in float32 decode and colocated pools, else dense (pdserve.worker
     # quantized_weights). An HF directory, another block type or a backend without the
     # kernels stays dense (logged)

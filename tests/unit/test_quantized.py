@@ -47,16 +47,29 @@ def _q4_0_tensor(n: int, k: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def _k_quant_tensor(kind: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K or Q6_K super-blocks [n, k / 256 * bytes]: random quants and 6-bit / int8
+    scales, float16 d (and dmin) of 1e-4 to 1e-1, as a quantizer would store them."""
+    rng = np.random.default_rng(seed)
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)][1]
+    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    for at in ((0, 2) if kind == 12 else (208,)):  # Q4_K: d, dmin first; Q6_K: d last
+        blocks[:, :, at:at + 2] = rng.uniform(1e-4, 1e-1, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def _cases(tensors):
     for name in ("blk.0.attn_q.weight", "blk.5.ffn_down.weight", "blk.2.attn_v.weight", "token_embd.weight"):
         t = tensors[name]
         yield name, int(t.tensor_type), np.ascontiguousarray(t.data), int(t.shape[1]), int(t.shape[0])
     yield "random Q4_0", int(gguf.GGMLQuantizationType.Q4_0), _q4_0_tensor(100, 96), 100, 96
+    yield "random Q4_K", int(gguf.GGMLQuantizationType.Q4_K), _k_quant_tensor(12, 100, 512, 1), 100, 512
+    yield "random Q6_K", int(gguf.GGMLQuantizationType.Q6_K), _k_quant_tensor(14, 37, 768, 2), 37, 768
 
 
 def test_blocks_widen_to_ggufs_own_values_and_the_kernel_is_the_dense_kernels_bits(gguf_tensors):
-    """Per block type (Q4_1 and Q8_0 from the bundled file, Q4_0 random, one with N not a
-    multiple of the panel): de-quantized values bit for bit as ``gguf.quants.dequantize``,
+    """Per block type (Q4_1 and Q8_0 from the bundled file; Q4_0, Q4_K and Q6_K random; N not
+    always a multiple of the panel): de-quantized values bit for bit as ``gguf.quants.dequantize``,
     and ``qlinear`` bit for bit as ``linear`` over those values, float32 and bf16, any rows
     (1 to 64), 1 or 2 threads, with a bias."""
     _kernels_or_skip()
@@ -86,16 +99,18 @@ def test_embedding_rows_widen_to_ggufs_own_values(gguf_tensors):
         rows = torch.tensor([n - 1, 0, 3, 3, n // 2])
         got = dequantize_rows(kind, torch.from_numpy(data)[rows])
         assert torch.equal(got.view(torch.int32), want[rows].view(torch.int32)), name
-    with pytest.raises(ValueError, match="GGUF type 12"):
-        dequantize_rows(12, torch.zeros(2, 144, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="GGUF type 13"):
+        dequantize_rows(13, torch.zeros(2, 176, dtype=torch.uint8))  # Q5_K
 
 
 def test_unsupported_shapes_and_types_are_refused_by_name():
     _kernels_or_skip()
     with pytest.raises(ValueError, match="Q4_0"):
-        ops.qpack(12, torch.zeros(4, 144, dtype=torch.uint8), 4, 256)  # Q4_K
+        ops.qpack(13, torch.zeros(4, 176, dtype=torch.uint8), 4, 256)  # Q5_K
     with pytest.raises(ValueError, match="in_features % 32"):
         ops.qpack(8, torch.zeros(4, 34, dtype=torch.uint8), 4, 33)
+    with pytest.raises(ValueError, match="256 for Q4_K"):
+        ops.qpack(12, torch.zeros(4, 72, dtype=torch.uint8), 4, 128)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@
  *
  * bf16 with D % 32 == 0 takes attention_amx.h where AMX is on, else attention_dp.h where the
  * CPU has AVX512-BF16: the same units and invariance, with bf16 products and probabilities.
- * Every path asks for the next tile's keys and values ahead (into L2): a head's keys fill a
- * 4 KiB page every 32 (bf16) or 16 (float32) keys, and hardware prefetchers stop at pages.
+ * Every path asks for the next tile's keys and values ahead (into L2), a few rows at a time
+ * between the current tile's pieces of work (prefetch_rows): a head's keys fill a 4 KiB page
+ * every 32 (bf16) or 16 (float32) keys, and hardware prefetchers stop at pages.
  */
 #include <float.h>
 #include <stdlib.h>

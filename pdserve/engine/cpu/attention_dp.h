@@ -2,17 +2,18 @@
  * where the compiler targets AVX512-BF16. Every bf16 unit with D % 32 == 0 takes it there,
  * unless AMX does (attention_amx.h). The unit is attend_unit's: query tokens [t0, t1) of one
  * sequence, all G query heads of KV head g, rows r = (token, head). Keys go in tiles of
- * KT = 16 aligned at position 0; per tile and row, with bf16 products summed in float32:
+ * DT = 32 aligned at position 0; per tile and row, with bf16 products summed in float32:
  *   s_j = scale * (q . k_j)      q and k_j as stored (bf16). Lane i of an accumulator sums
  *                                the pairs (32c + 2i, 32c + 2i + 1), c = 0, 1, ... in order
  *                                (one VDPBF16PS each), then the lanes add in vsum()'s tree
  *   mask to keys <= the row's position; m, l as attend_unit (l sums the float32 e_j)
- *   acc[d] += p_j v_j[d] + p_j+1 v_j+1[d]   pairs j = 0, 2, ..., 14 in order, p = bf16(e)
+ *   acc[d] += p_j v_j[d] + p_j+1 v_j+1[d]   pairs j = 0, 2, ..., 30 in order, p = bf16(e)
  * FlashAttention's recurrence (Dao et al. 2022, sec. 3.1) with bf16 probabilities, as the
  * AMX path and GPU kernels take them. Two layouts give the scores the same bits: keys read
  * in place, 16 key accumulators reduced by attention.c's shuffle network (few rows, as a
  * decode step), or the tile's key pairs transposed once, kt[pair][key], and 16 pair-class
- * accumulators per row reduced by the same tree (many rows, as a prompt chunk). Keys and
+ * accumulators per row reduced by the same tree (many rows, as a prompt chunk: three rows
+ * share each load of the transposed keys, and six each load of the values). Keys and
  * values past the tile's end read as zeros and get p = 0, which adds +0 to acc; acc is never
  * -0 (it starts at +0, exact cancellation rounds to +0, and the rescale adds +0), so the sums
  * a row does past its own last key change no bits. A row's bits therefore
@@ -23,7 +24,7 @@
 #define PDSERVE_ATTENTION_DP_H
 
 #define DT 32 /* keys per tile */
-#define DP_RB 6 /* rows per block of a prompt chunk */
+#define DP_RB 6 /* rows per block of a prompt chunk: each value pair loaded once for their P V */
 #define PFH _MM_HINT_T1 /* into L2: on the AVX512-BF16 EPYC, T0's few L1 fill buffers stalled (decode at
                          * batch 32, context 512: 7.7 GB/s with T1 or T2, 5.6 with T0, 5.2 with none) */
 
@@ -65,7 +66,7 @@ static void dp_transpose_keys(uint32_t *kt, const char *const *kr, int64_t D) {
     }
 }
 
-/* dp_scores3's sums from the transposed pairs, for NR rows at once (the tile's 16 keys of kt
+/* dp_scores3's sums from the transposed pairs, for NR <= 3 rows at once (the tile's 16 keys of kt
  * in lanes): pair-class sums c_i (pair p = 16c + i, c in order) then the same tree over i
  * (i + 8, + 4, + 2, + 1), evaluated depth first so that few classes are live and each kt
  * vector is loaded once for the NR rows. Addition commutes, so the bits are the tree's. */

@@ -1,34 +1,52 @@
-/* Linear layers over GGUF quantized weights (Q8_0, Q4_0, Q4_1), included by linear.c.
+/* Linear layers over GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), included by linear.c.
  *
- * A weight [N, K] in one of these types is kept at its own size (Q4_1: 5 bits a weight, Q8_0:
- * 8.5) and each call widens one panel at a time into the dense panel layout of linear.c, in
+ * A weight [N, K] in one of these types is kept near its own size (Q4_1: 5 bits a weight,
+ * Q8_0: 8.5; Q4_K 6 and Q6_K 10, against their files' 4.5 and 6.6, with float32 scales)
+ * and each call widens one panel at a time into the dense panel layout of linear.c, in
  * a per-thread scratch that stays in L2, then runs linear.c's own micro-kernel over it. The
  * widened values are exactly the dense weights the model would hold:
  *   Q8_0  w = d * q              d float16, q int8       (exact in float32)
  *   Q4_0  w = d * (q - 8)        d float16, q 4-bit      (exact)
  *   Q4_1  w = d * q + m          d, m float16, q 4-bit   (d * q exact, one rounding: fma)
+ *   Q4_K  w = (d * sc) * q - dmin * m   per 32 weights 6-bit sc, m; d, dmin float16 per 256
+ *                                         (the two products exact, one rounding: fma)
+ *   Q6_K  w = (d * sc) * (q - 32)       per 16 weights int8 sc; d float16 per 256 (d * sc
+ *                                         exact, one rounding)
  * as gguf-py (`gguf.quants`) and transformers de-quantize them in float32, and for bf16 those
  * rounded to nearest even, as torch's `.to(torch.bfloat16)`. So a quantized layer gives the
  * same bits as the dense layer of the de-quantized model, in any batch: the numerics rule
  * holds across a dense prefill pool and a quantized decode pool.
  *
  * Packed form (qlinear_pack): a 64-byte header {type, N, K}, then groups of 16 output rows
- * (N padded with zero rows), each K / 32 blocks of: d[16] float16, m[16] float16 (Q4_1
- * only), then for Q4_*: 16 bytes per pair of k (row j's byte: k = 2i low nibble, 2i + 1
- * high), for Q8_0: 16 int8 per k. GGUF's own block (32 weights of one row: Q4_* low nibbles
- * first, then high; ggml-quants.c) is read once at load.
+ * (N padded with zero rows), each K / 32 blocks of: scales, then for Q4_0, Q4_1, Q4_K: 16
+ * bytes per pair of k (row j's byte: k = 2i low nibble, 2i + 1 high), for Q8_0 and Q6_K: 16
+ * int8 per k (Q6_K's q - 32). Scales: Q4_0, Q8_0 d[16] float16; Q4_1 d[16], m[16] float16;
+ * Q4_K the block's d * sc [16] and -(dmin * m) [16] in float32; Q6_K d * sc [16] float32 for
+ * k 0..15 and [16] for 16..31. GGUF's own blocks (ggml-quants.c, as gguf-py reads them) are
+ * read once at load; the K-quants' super-blocks of 256 weights become 8 blocks of 32.
  */
 #ifndef PDSERVE_LINEAR_Q_H
 #define PDSERVE_LINEAR_Q_H
 
 #include <stdlib.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* ggml_type */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml_type */
 #define QG 16 /* output rows per group */
 #define QHEAD 64
 
-static int64_t q_src_block_bytes(int64_t type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0; }
-static int64_t q_block_bytes(int64_t type) { return type == Q4_0 ? 32 + 256 : type == Q4_1 ? 64 + 256 : type == Q8_0 ? 32 + 512 : 0; }
+/* Bytes of GGUF's own block, and the weights it holds. */
+static int64_t q_src_block_bytes(int64_t type) {
+    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : type == Q4_K ? 144 : type == Q6_K ? 210 : 0;
+}
+static int64_t q_src_block_weights(int64_t type) { return type == Q4_K || type == Q6_K ? 256 : 32; }
+/* The packed form: bytes of a group's block of 32 k, and where its quants start in it. */
+static int64_t q_scale_bytes(int64_t type) { return type == Q4_0 || type == Q8_0 ? 32 : type == Q4_1 ? 64 : type == Q4_K || type == Q6_K ? 128 : 0; }
+static int64_t q_block_bytes(int64_t type) {
+    const int64_t s = q_scale_bytes(type);
+    return !s ? 0 : s + (type == Q8_0 || type == Q6_K ? 512 : 256);
+}
+static inline int q_int8(int64_t type) { return type == Q8_0 || type == Q6_K; } /* one int8 a weight, w = d * q */
+static inline int q_f32_scales(int64_t type) { return type == Q4_K || type == Q6_K; }
 
 static inline float f16_to_f32(uint16_t h) {
     uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023, u;
@@ -45,16 +63,58 @@ static inline float f16_to_f32(uint16_t h) {
     return x;
 }
 
-/* Bytes of the packed form, or -1 for a type or shape it does not take (K % 32). */
+/* Bytes of the packed form, or -1 for a type or shape it does not take (K not a multiple of
+ * the type's block: 32, or 256 for the K-quants). */
 int64_t qlinear_packed_bytes(int64_t type, int64_t N, int64_t K) {
-    if (!q_block_bytes(type) || K % 32 || N <= 0) return -1;
+    if (!q_block_bytes(type) || K % q_src_block_weights(type) || N <= 0) return -1;
     return QHEAD + (N + QG - 1) / QG * (K / 32) * q_block_bytes(type);
+}
+
+/* Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 bytes (gguf-py's get_scale_min). */
+static void q4k_scale_min(const uint8_t *sc12, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = sc12[j] & 63, *m = sc12[4 + j] & 63;
+    } else {
+        *sc = (sc12[8 + j - 4] & 15) | ((sc12[j - 4] >> 2) & 0x30);
+        *m = (sc12[8 + j - 4] >> 4) | ((sc12[4 + j - 4] >> 2) & 0x30);
+    }
+}
+
+/* A K-quant row's block b of 32 (its super-block sb = b / 8 at s): the block's scales into o
+ * (row j of the group) and its 32 quants into q[32] (Q4_K 0..15, Q6_K q - 32). */
+static void qk_block(int64_t type, const uint8_t *s, int64_t b, int j, uint8_t *o, int8_t *q) {
+    const int sub = (int)(b % 8);
+    uint16_t h;
+    if (type == Q4_K) { /* d f16, dmin f16, scales[12], qs[128]: sub-block 2c + t is qs[32c ..] >> 4t */
+        int sc, m;
+        q4k_scale_min(s + 4, sub, &sc, &m);
+        memcpy(&h, s, 2);
+        const float d = f16_to_f32(h) * (float)sc;
+        memcpy(&h, s + 2, 2);
+        const float mn = -(f16_to_f32(h) * (float)m);
+        memcpy(o + 4 * j, &d, 4), memcpy(o + 64 + 4 * j, &mn, 4);
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)((s[16 + 32 * (sub / 2) + i] >> (4 * (sub % 2))) & 15);
+        return;
+    }
+    /* Q6_K: ql[128], qh[64], scales int8[16], d f16; weight x of the super-block: half hf = x / 128,
+     * r = x % 128: low 4 bits ql[64 hf + r % 64] >> 4 (r / 64), high 2 qh[32 hf + r % 32] >> 2 (r / 32) */
+    memcpy(&h, s + 208, 2);
+    const float d = f16_to_f32(h);
+    for (int t = 0; t < 2; t++) {
+        const float dt = d * (float)(int8_t)s[192 + 2 * sub + t];
+        memcpy(o + 64 * t + 4 * j, &dt, 4);
+    }
+    for (int i = 0; i < 32; i++) {
+        const int x = 32 * sub + i, hf = x / 128, r = x % 128;
+        const int lo = (s[64 * hf + r % 64] >> (4 * (r / 64))) & 15, hi = (s[128 + 32 * hf + r % 32] >> (2 * (r / 32))) & 3;
+        q[i] = (int8_t)((lo | hi << 4) - 32);
+    }
 }
 
 /* src: the GGUF tensor's data, N rows of K / 32 blocks; out: qlinear_packed_bytes. Returns 0, or -1. */
 int qlinear_pack(int64_t type, const uint8_t *src, int64_t N, int64_t K, uint8_t *out) {
     if (qlinear_packed_bytes(type, N, K) < 0) return -1;
-    const int64_t nb = K / 32, sb = q_src_block_bytes(type), bb = q_block_bytes(type);
+    const int64_t nb = K / 32, sb = q_src_block_bytes(type), bb = q_block_bytes(type), row = K / q_src_block_weights(type) * sb;
     int64_t head[3] = {type, N, K};
     memset(out, 0, QHEAD);
     memcpy(out, head, sizeof head);
@@ -63,6 +123,15 @@ int qlinear_pack(int64_t type, const uint8_t *src, int64_t N, int64_t K, uint8_t
             uint8_t *o = out + QHEAD + (g * nb + b) * bb;
             memset(o, 0, (size_t)bb);
             for (int64_t j = 0; j < QG && g * QG + j < N; j++) {
+                if (q_f32_scales(type)) {
+                    int8_t q[32];
+                    qk_block(type, src + (g * QG + j) * row + b / 8 * sb, b, (int)j, o, q);
+                    uint8_t *qo = o + q_scale_bytes(type);
+                    for (int k = 0; k < 32; k++)
+                        if (type == Q6_K) qo[k * QG + j] = (uint8_t)q[k];
+                        else if (k % 2 == 0) qo[k / 2 * QG + j] = (uint8_t)(q[k] | q[k + 1] << 4);
+                    continue;
+                }
                 const uint8_t *s = src + ((g * QG + j) * nb + b) * sb;
                 memcpy(o + 2 * j, s, 2); /* d */
                 if (type == Q4_1) memcpy(o + 32 + 2 * j, s + 2, 2); /* m */
@@ -88,16 +157,23 @@ static inline void q_weights_scalar(const uint8_t *wq, int64_t g, int64_t k, flo
     const uint8_t *o = wq + QHEAD + (g * nb + k / 32) * q_block_bytes(type);
     const int64_t kk = k % 32;
     for (int j = 0; j < QG; j++) {
-        uint16_t d16, m16 = 0;
-        memcpy(&d16, o + 2 * j, 2);
-        if (type == Q4_1) memcpy(&m16, o + 32 + 2 * j, 2);
-        const float d = f16_to_f32(d16);
-        if (type == Q8_0) {
-            w[j] = d * (float)(int8_t)o[32 + kk * QG + j];
+        float d, m = 0.0f;
+        if (q_f32_scales(type)) {
+            memcpy(&d, o + (type == Q6_K && kk >= 16 ? 64 : 0) + 4 * j, 4);
+            if (type == Q4_K) memcpy(&m, o + 64 + 4 * j, 4);
         } else {
-            const uint8_t byte = o[(type == Q4_1 ? 64 : 32) + kk / 2 * QG + j];
+            uint16_t d16, m16 = 0;
+            memcpy(&d16, o + 2 * j, 2);
+            if (type == Q4_1) memcpy(&m16, o + 32 + 2 * j, 2);
+            d = f16_to_f32(d16), m = f16_to_f32(m16);
+        }
+        const uint8_t *qo = o + q_scale_bytes(type);
+        if (q_int8(type)) {
+            w[j] = d * (float)(int8_t)qo[kk * QG + j];
+        } else {
+            const uint8_t byte = qo[kk / 2 * QG + j];
             const int q = kk % 2 ? byte >> 4 : byte & 15;
-            w[j] = type == Q4_1 ? fmaf(d, (float)q, f16_to_f32(m16)) : d * (float)(q - 8);
+            w[j] = type == Q4_0 ? d * (float)(q - 8) : fmaf(d, (float)q, m);
         }
     }
 }
@@ -105,19 +181,29 @@ static inline void q_weights_scalar(const uint8_t *wq, int64_t g, int64_t k, flo
 #if defined(__AVX512F__)
 /* The 16 weights of a group at block offsets kk and kk + 1 (kk even), float32. */
 static inline void q_weights16(int64_t type, const uint8_t *qo, int64_t kk, __m512 d, __m512 m, __m512 *w0, __m512 *w1) {
-    if (type == Q8_0) {
+    if (q_int8(type)) {
         *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qo + kk * QG)))));
         *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qo + (kk + 1) * QG)))));
         return;
     }
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qo + kk / 2 * QG)));
     __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(b, 4);
-    if (type == Q4_1) {
+    if (type != Q4_0) {
         *w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), m), *w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), m);
     } else {
         const __m512i e = _mm512_set1_epi32(8);
         *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, e))), *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, e)));
     }
+}
+/* A group's block scales for k offset kk (16 lanes, one a row): d, and m (Q4_1, Q4_K; else 0). */
+static inline void q_scales16(int64_t type, const uint8_t *o, int64_t kk, __m512 *d, __m512 *m) {
+    if (q_f32_scales(type)) {
+        *d = _mm512_loadu_ps((const float *)(o + (type == Q6_K && kk >= 16 ? 64 : 0)));
+        *m = type == Q4_K ? _mm512_loadu_ps((const float *)(o + 64)) : _mm512_setzero_ps();
+        return;
+    }
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
+    *m = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32))) : _mm512_setzero_ps();
 }
 #if defined(__AVX512BF16__)
 /* Lane j: (bf16(w0[j]), bf16(w1[j])), rounded to nearest even (VCVTNE2PS2BF16: torch's rounding
@@ -160,13 +246,23 @@ static inline void q_store(void *panel, int64_t k, int64_t c, const float *w0, c
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
-/* q_weights_scalar's values for a group's block at k = 2i, 2i + 1 (Q4_*) or k, k + 1 (Q8_0), 8 lanes at a time. */
+/* A group's block scales for k offset kk, rows 8h .. 8h + 7: d, and m (Q4_1, Q4_K; else 0). */
+static inline void q_scales8(int64_t type, const uint8_t *o, int64_t kk, int h, __m256 *d, __m256 *m) {
+    if (q_f32_scales(type)) {
+        *d = _mm256_loadu_ps((const float *)(o + (type == Q6_K && kk >= 16 ? 64 : 0)) + 8 * h);
+        *m = type == Q4_K ? _mm256_loadu_ps((const float *)(o + 64) + 8 * h) : _mm256_setzero_ps();
+        return;
+    }
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16 * h)));
+    *m = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 32 + 16 * h))) : _mm256_setzero_ps();
+}
+/* q_weights_scalar's values for a group's block at k = 2i, 2i + 1 (4-bit) or k, k + 1 (int8), 8 lanes at a time. */
 static inline void q_weights16_avx2(int64_t type, const uint8_t *o, int64_t kk, float *w0, float *w1) {
-    const uint8_t *qo = o + (type == Q4_1 ? 64 : 32);
+    const uint8_t *qo = o + q_scale_bytes(type);
     for (int h = 0; h < 2; h++) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16 * h)));
-        const __m256 m = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 32 + 16 * h))) : _mm256_setzero_ps();
-        if (type == Q8_0) {
+        __m256 d, m;
+        q_scales8(type, o, kk, h, &d, &m);
+        if (q_int8(type)) {
             for (int t = 0; t < 2; t++) {
                 __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qo + (kk + t) * QG + 8 * h)));
                 _mm256_storeu_ps((t ? w1 : w0) + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
@@ -175,7 +271,7 @@ static inline void q_weights16_avx2(int64_t type, const uint8_t *o, int64_t kk, 
         }
         __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qo + kk / 2 * QG + 8 * h)));
         __m256i lo = _mm256_and_si256(b, _mm256_set1_epi32(15)), hi = _mm256_srli_epi32(b, 4);
-        if (type == Q4_1) {
+        if (type != Q4_0) {
             _mm256_storeu_ps(w0 + 8 * h, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo), m));
             _mm256_storeu_ps(w1 + 8 * h, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi), m));
         } else {
@@ -214,11 +310,11 @@ static void q_panel(const uint8_t *wq, int64_t n0, int bf, void *panel) {
         }
 #if defined(__AVX512F__)
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *o = wq + QHEAD + (g * nb + b) * bb, *qo = o + (type == Q4_1 ? 64 : 32);
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
-            const __m512 m = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32))) : _mm512_setzero_ps();
+            const uint8_t *o = wq + QHEAD + (g * nb + b) * bb, *qo = o + q_scale_bytes(type);
+            __m512 d, m;
             for (int64_t kk = 0; kk < 32; kk += 2) {
                 __m512 a, b2;
+                if (kk == 0 || (kk == 16 && type == Q6_K)) q_scales16(type, o, kk, &d, &m);
                 q_weights16(type, qo, kk, d, m, &a, &b2);
                 _mm512_storeu_ps(w0, a), _mm512_storeu_ps(w1, b2);
                 q_store(panel, b * 32 + kk, c, w0, w1, bf);
@@ -260,14 +356,10 @@ static inline __attribute__((always_inline)) void q_tile(const uint8_t *wq, int6
     for (int64_t b = 0; b < nb; b++) {
         __m512 d[G], m[G];
         const uint8_t *qo[G];
-        for (int c = 0; c < ng; c++) {
-            const uint8_t *o = base[c] + b * bb;
-            d[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)o));
-            m[c] = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + 32))) : _mm512_setzero_ps();
-            qo[c] = o + (type == Q4_1 ? 64 : 32);
-        }
         for (int64_t kk = 0; kk < 32; kk += 2) {
             const int64_t k = b * 32 + kk;
+            if (kk == 0 || (kk == 16 && type == Q6_K))
+                for (int c = 0; c < ng; c++) q_scales16(type, base[c] + b * bb, kk, &d[c], &m[c]), qo[c] = base[c] + b * bb + q_scale_bytes(type);
             __m512 w0[G], w1[G];
             for (int c = 0; c < ng; c++) q_weights16(type, qo[c], kk, d[c], m[c], &w0[c], &w1[c]);
             if (!bf) {
@@ -320,23 +412,21 @@ static inline __attribute__((always_inline)) void q_tile(const uint8_t *wq, int6
     __m256 acc[MR][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *o = base + b * bb, *qo = o + (type == Q4_1 ? 64 : 32);
+        const uint8_t *o = base + b * bb, *qo = o + q_scale_bytes(type);
         __m256 d[2], m[2];
-        for (int v = 0; v < 2; v++) {
-            d[v] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16 * v)));
-            m[v] = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 32 + 16 * v))) : _mm256_setzero_ps();
-        }
         for (int64_t kk = 0; kk < 32; kk += 2) {
             const int64_t k = b * 32 + kk;
+            if (kk == 0 || (kk == 16 && type == Q6_K))
+                for (int v = 0; v < 2; v++) q_scales8(type, o, kk, v, &d[v], &m[v]);
             __m256 w0[2], w1[2];
             for (int v = 0; v < 2; v++) {
-                if (type == Q8_0) {
+                if (q_int8(type)) {
                     w0[v] = _mm256_mul_ps(d[v], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qo + kk * QG + 8 * v)))));
                     w1[v] = _mm256_mul_ps(d[v], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qo + (kk + 1) * QG + 8 * v)))));
                 } else {
                     __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qo + kk / 2 * QG + 8 * v)));
                     __m256i lo = _mm256_and_si256(q, mask), hi = _mm256_srli_epi32(q, 4);
-                    if (type == Q4_1)
+                    if (type != Q4_0)
                         w0[v] = _mm256_fmadd_ps(d[v], _mm256_cvtepi32_ps(lo), m[v]), w1[v] = _mm256_fmadd_ps(d[v], _mm256_cvtepi32_ps(hi), m[v]);
                     else
                         w0[v] = _mm256_mul_ps(d[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, eight))),

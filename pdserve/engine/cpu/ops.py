@@ -93,7 +93,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml_type -> name: the GGUF block types ``qpack`` takes
+QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}  # ggml_type -> name: the GGUF block types ``qpack`` takes
+
+
+def quant_block(ggml_type: int) -> int:
+    """Weights in one GGUF block of ``ggml_type`` along a row: 256 for the K-quants, else 32."""
+    return 256 if QUANT_TYPES.get(ggml_type, "").endswith("_K") else 32
 
 
 def quantized_ok(dtype: torch.dtype) -> bool:
@@ -105,12 +110,13 @@ def quantized_ok(dtype: torch.dtype) -> bool:
 def qpack(ggml_type: int, data: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """data: [out_features, row bytes] uint8, a GGUF tensor's blocks as stored (rows of
     in_features / 32 blocks). Returns the packed form for ``qlinear`` (uint8, linear_q.h).
-    Raises ValueError for a type not in QUANT_TYPES or in_features % 32 != 0."""
+    Raises ValueError for a type not in QUANT_TYPES, or in_features not a multiple of its
+    block (``quant_block``)."""
     lib = _lib("linear")
     size = lib.qlinear_packed_bytes(ggml_type, out_features, in_features)
     if size < 0:
-        raise ValueError(f"qlinear takes GGUF types {sorted(QUANT_TYPES.values())} with in_features % 32 == 0, "
-                         f"not type {ggml_type} [{out_features}, {in_features}]")
+        raise ValueError(f"qlinear takes GGUF types {sorted(QUANT_TYPES.values())} with in_features % 32 == 0 (% 256 for Q4_K "
+                         f"and Q6_K), not type {QUANT_TYPES.get(ggml_type, ggml_type)} [{out_features}, {in_features}]")
     data = data.contiguous()
     out = torch.empty(size, dtype=torch.uint8)
     lib.qlinear_pack(ggml_type, data.data_ptr(), out_features, in_features, out.data_ptr())
