@@ -254,3 +254,91 @@ def test_embedding_reads_its_blocks_only_where_they_are_the_tables_bits(gguf_ten
         emb = Embedding(off, blocks)
     assert not emb.quantized and "embedding" in caplog.text
     assert torch.equal(emb(ids), F.embedding(ids, off))
+
+
+def _quantize_k(kind: int, x: np.ndarray) -> np.ndarray:
+    """A plain Q4_K or Q6_K quantizer for tests (gguf-py has none): x [N, K] float32 -> the
+    blocks [N, K / 256 * bytes] in ggml's layout, as ``gguf.quants`` reads them back."""
+    n, k = x.shape
+    s = k // 256
+    if kind == 12:  # per 32 weights w = (d * sc) * q - dmin * m, q 0..15, sc and m 6-bit
+        sb = x.reshape(n, s, 8, 32)
+        lo, hi = np.minimum(sb.min(-1), 0), sb.max(-1)
+        d = ((hi - lo) / 15).max(-1, keepdims=True) / 63
+        dmin = (-lo).max(-1, keepdims=True) / 63
+        d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+        sc = np.clip(np.round((hi - lo) / 15 / np.maximum(d16.astype(np.float32), 1e-12)), 1, 63).astype(np.uint8)
+        m = np.clip(np.round(-lo / np.maximum(dmin16.astype(np.float32), 1e-12)), 0, 63).astype(np.uint8)
+        step, off = d16.astype(np.float32) * sc, dmin16.astype(np.float32) * m
+        q = np.clip(np.round((sb + off[..., None]) / step[..., None]), 0, 15).astype(np.uint8)
+        s12 = np.concatenate([sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6,
+                              (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4], axis=-1)
+        qs = (q[:, :, 0::2] | q[:, :, 1::2] << 4).reshape(n, s, 128)
+        blocks = np.concatenate([d16.view(np.uint8), dmin16.view(np.uint8), s12, qs], axis=-1)
+    else:  # Q6_K: per 16 weights w = (d * sc) * (q - 32), q 0..63, sc int8
+        sb = x.reshape(n, s, 16, 16)
+        scale = np.abs(sb).max(-1) / 31
+        d16 = (scale.max(-1, keepdims=True) / 127).astype(np.float16)
+        sc = np.clip(np.round(scale / np.maximum(d16.astype(np.float32), 1e-12)), 1, 127).astype(np.int8)
+        step = d16.astype(np.float32) * sc
+        q = (np.clip(np.round(sb / step[..., None]), -32, 31) + 32).astype(np.uint8).reshape(n, s, 2, 128)
+        lo, hi = q & 15, q >> 4
+        ql = (lo[..., :64] | lo[..., 64:] << 4).reshape(n, s, 128)
+        qh = (hi[..., :32] | hi[..., 32:64] << 2 | hi[..., 64:96] << 4 | hi[..., 96:] << 6).reshape(n, s, 64)
+        blocks = np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8)], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(n, -1))
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory):
+    """The bundled GGUF with every layer's ffn_down (in_features 1,536: whole super-blocks)
+    re-encoded from its weights, Q4_K in even layers and Q6_K in odd ones."""
+    reader = gguf.GGUFReader(str(bundled_gguf_path()))
+    path = tmp_path_factory.mktemp("kquant") / "smollm2-kquant.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama", endianess=reader.endianess)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    tensors = []
+    for t in reader.tensors:
+        data, kind = t.data, t.tensor_type
+        if ".ffn_down." in t.name:
+            kind = gguf.GGMLQuantizationType.Q4_K if int(t.name.split(".")[1]) % 2 == 0 else gguf.GGMLQuantizationType.Q6_K
+            dense = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
+            data = _quantize_k(int(kind), dense.astype(np.float32))
+        tensors.append((t.name, data, kind))
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(data, tensor_endianess=reader.endianess)
+    writer.close()
+    return path
+
+
+def test_a_gguf_with_k_quants_decodes_on_its_blocks_and_equals_generate(k_quant_gguf, real_model_dir):
+    """A GGUF whose ffn_down layers are Q4_K and Q6_K (the rest Q4_1, the embedding Q8_0),
+    as transformers loads it: every layer reads its blocks, and float32 greedy ids of
+    mixed prompts decoded together equal HF ``generate`` on the de-quantized model."""
+    _kernels_or_skip()
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.gguf_weights import read_quantized
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(k_quant_gguf.parent, gguf_file=k_quant_gguf.name, dtype=torch.float32).eval()
+    quantized = read_quantized(k_quant_gguf, model.config, set(ops.QUANT_TYPES))
+    downs = {quantized[f"model.layers.{i}.mlp.down_proj.weight"].ggml_type for i in range(30)}
+    assert downs == {12, 14} and len(quantized) == 30 * 7 + 2
+    engine = Engine(model, EngineConfig(num_blocks=64), frozenset(), 4096, quantized=quantized)
+    assert engine.model.quantized == {"layers": True, "lm_head": True, "embedding": True}
+    assert all(layer.down.quantized and layer.down.weight is None for layer in engine.model.layers)
+    ids = load_tokenizer(real_model_dir).encode("The capital of France is Paris. " * 20)
+    prompts = [ids[:5], ids[3:43], ids[10:140]]
+    seqs = generate_all(engine, prompts, 12)
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.token_ids[len(prompt):] == reference_generate(model, prompt, 12, ignore_eos=True)
+    assert_all_blocks_free(engine)
