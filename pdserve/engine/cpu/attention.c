@@ -259,8 +259,9 @@ static inline void prefetch_rows(const char *const *kn, const char *const *vn, i
 }
 
 /* One unit: query tokens [t0, t1) of one sequence (consecutive positions), all G query heads
- * of KV head g. Rows r = (token, head). For each tile of KT keys, V is widened to vt[KT][D]
- * (float32; K to kt[KT][D] too when the rows are many), then every row:
+ * of KV head g. Rows r = (token, head). For each tile of KT keys, bf16 V is widened to
+ * vt[KT][D] (float32 V is read in place; K goes to kt[KT][D], transposed, when the rows are
+ * many), then every row:
  *   s[j] = q . k_j                  (tile_scores: lanes over d, then vsum()'s tree)
  *   masked to keys <= the row's position; m, l, acc updated as FlashAttention's recurrence;
  *   acc[d] += p_j * v_j[d]          (j in order)
