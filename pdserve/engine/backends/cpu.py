@@ -58,7 +58,7 @@ class CpuBackend(Backend):
         return ops.linear(x, packed, out_features, bias, self.num_threads)
 
     def pack_quantized(self, weight: QuantizedWeight) -> torch.Tensor | None:
-        if weight.ggml_type not in ops.QUANT_TYPES or weight.in_features % ops.quant_block(weight.ggml_type) or not ops.quantized_ok(self.kv_cache.spec.dtype):
+        if not ops.quantized_ok(self.kv_cache.spec.dtype) or not ops.qpack_ok(weight.ggml_type, weight.out_features, weight.in_features):
             return None
         return ops.qpack(weight.ggml_type, weight.data, weight.out_features, weight.in_features)
 

@@ -96,9 +96,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}  # ggml_type -> name: the GGUF block types ``qpack`` takes
 
 
-def quant_block(ggml_type: int) -> int:
-    """Weights in one GGUF block of ``ggml_type`` along a row: 256 for the K-quants, else 32."""
-    return 256 if QUANT_TYPES.get(ggml_type, "").endswith("_K") else 32
+def qpack_ok(ggml_type: int, out_features: int, in_features: int) -> bool:
+    """Whether ``qpack`` takes this type and shape (linear_q.h decides: a type of QUANT_TYPES,
+    in_features a multiple of its GGUF block, 32 weights or 256 for the K-quants)."""
+    return _lib("linear").qlinear_packed_bytes(ggml_type, out_features, in_features) >= 0
 
 
 def quantized_ok(dtype: torch.dtype) -> bool:
@@ -108,10 +109,9 @@ def quantized_ok(dtype: torch.dtype) -> bool:
 
 
 def qpack(ggml_type: int, data: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """data: [out_features, row bytes] uint8, a GGUF tensor's blocks as stored (rows of
-    in_features / 32 blocks). Returns the packed form for ``qlinear`` (uint8, linear_q.h).
-    Raises ValueError for a type not in QUANT_TYPES, or in_features not a multiple of its
-    block (``quant_block``)."""
+    """data: [out_features, row bytes] uint8, a GGUF tensor's blocks as stored (each row
+    in_features / 32 blocks, or / 256 for the K-quants). Returns the packed form for ``qlinear`` (uint8, linear_q.h).
+    Raises ValueError for a type or shape it does not take (``qpack_ok``)."""
     lib = _lib("linear")
     size = lib.qlinear_packed_bytes(ggml_type, out_features, in_features)
     if size < 0:
