@@ -411,7 +411,7 @@ def test_the_engine_keeps_freed_memory_for_the_next_step():
 
 
 def test_large_pool_tensors_sit_on_huge_pages_and_hold_zeros():
-    """huge_pages.py: the KV pool and the packed GEMV weights are fresh mappings, 2 MiB aligned
+    """huge_pages.py: the KV pool and the packed weights (``gather``) are fresh mappings, 2 MiB aligned
     and advised for huge pages (backed by them where THP is on); small ones keep torch's
     allocator. Where THP is 'madvise' or 'always', the pages really are huge."""
     from pathlib import Path
@@ -436,6 +436,16 @@ def test_large_pool_tensors_sit_on_huge_pages_and_hold_zeros():
         assert _anon_huge_kib() - before >= 8 << 10  # most of its 16 MiB on 2 MiB pages
     pool = PagedKVCache(KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16), 4096, 16)
     assert pool.k.data_ptr() % huge_pages.HUGE_PAGE == 0 and not pool.v.any()
+    # packed weights: one run of huge pages in the order given, each at a 64-byte boundary, same values
+    weights = [torch.randn(1000, 1003).to(torch.bfloat16), torch.randint(0, 255, (8 << 20,), dtype=torch.uint8), torch.randn(7, 577)]
+    placed = huge_pages.gather(weights)
+    assert [(p.dtype, p.shape) for p in placed] == [(w.dtype, w.shape) for w in weights]
+    assert all(torch.equal(p, w) for p, w in zip(placed, weights))
+    assert placed[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    ends = [p.data_ptr() + p.numel() * p.element_size() for p in placed]
+    assert [p.data_ptr() for p in placed[1:]] == [-(-e // 64) * 64 for e in ends[:-1]]
+    tiny = [torch.ones(3, 4)]
+    assert huge_pages.gather(tiny)[0] is tiny[0]  # below MIN_BYTES: as they are
 
 
 def _anon_huge_kib() -> int:

@@ -117,6 +117,12 @@ class Backend(ABC):
     def linear(self, x: torch.Tensor, packed: Any, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [M, K] -> [M, out_features]."""
 
+    def arrange(self, packed: list[Any]) -> list[Any]:
+        """The model's packed weights (``pack`` and ``pack_quantized`` results) in the order a
+        step reads them; returns them where this backend reads them fastest, same order
+        (default: as they are)."""
+        return packed
+
     def pack_quantized(self, weight: QuantizedWeight) -> Any | None:
         """A quantized weight in this backend's form, or None (the default) where the backend
         does not compute with its blocks as they are: the caller keeps the dense weight."""

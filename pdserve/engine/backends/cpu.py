@@ -14,7 +14,7 @@ import torch
 
 from pdserve.engine.backends.base import Backend, StepMetadata
 from pdserve.engine.quantized import QuantizedWeight
-from pdserve.engine import cpu
+from pdserve.engine import cpu, huge_pages
 from pdserve.engine.cpu import ops
 
 
@@ -53,6 +53,10 @@ class CpuBackend(Backend):
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         return ops.pack(weight)
+
+    def arrange(self, packed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One run of huge pages, in step order (huge_pages.gather: a decode step streams them)."""
+        return huge_pages.gather(packed)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         return ops.linear(x, packed, out_features, bias, self.num_threads)
