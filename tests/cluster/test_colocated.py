@@ -20,7 +20,7 @@ GRPC_PORT, HTTP_PORT = 9130, 8130
 def cluster():
     yield from serve_cluster({
         "mode": "colocated", "model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT},
-        "colocated": {"chunk_size": 64, "max_num_batched_tokens": 96},  # long prompts go in chunks beside decodes
+        "colocated": {"chunk_size": 64, "max_num_batched_tokens": 96, "kv_cache_tokens": 16384},  # long prompts go in chunks beside decodes
     })
 
 

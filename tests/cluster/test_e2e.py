@@ -29,7 +29,8 @@ TEXT = (
 
 @pytest.fixture(scope="module")
 def cluster():
-    config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT}}
+    pool = {"kv_cache_tokens": 16384}  # half the default: less pool to map at start, still room for every test here
+    config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT}, "prefill": pool, "decode": pool}
     yield from serve_cluster(config, _metrics_export_port=METRICS_PORT)
 
 

@@ -20,7 +20,8 @@ GRPC_PORT, HTTP_PORT = 9180, 8180
 def cluster():
     config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT,
                                                         "local_prefill_queue_s": None},  # every prompt streams its KV layer by layer
-              "kv_transfer": {"backend": "grpc", "layerwise": True}}
+              "kv_transfer": {"backend": "grpc", "layerwise": True},
+              "prefill": {"kv_cache_tokens": 16384}, "decode": {"kv_cache_tokens": 16384}}  # half the default: less to map at start
     yield from serve_cluster(config)
 
 

@@ -26,7 +26,8 @@ def cluster():
     two = {"min_replicas": 2, "max_replicas": 2, "upscale_delay_s": 10, "downscale_delay_s": 60, "look_back_period_s": 30}
     config = {"model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "local_prefill_max_tokens": 32,
                                                         "local_prefill_queue_s": None},  # placement by length alone: what these tests count
-              "prefill": {"autoscaling_config": two, "ray_actor_options": half}}
+              "prefill": {"autoscaling_config": two, "ray_actor_options": half, "kv_cache_tokens": 16384},
+              "decode": {"kv_cache_tokens": 16384}}  # half the default pools: less to map at start
     yield from serve_cluster(config)
 
 
