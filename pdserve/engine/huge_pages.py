@@ -11,6 +11,12 @@ order, 30 layers: 31.3 -> 30.0 ms, and 32.9 -> 30.5 ms median with the L2 prefet
 the attention kernels in cpu/ (attention.c). Results are bit-identical: only the page size changes.
 
 Where the advice is refused (another OS, THP ``never``), the memory is plain anonymous memory.
+
+The cost is at start: every 2 MiB page is faulted in when ``zeros`` writes it. On a bare
+machine that is a memset; in a VM whose host reclaims the guest's free memory (a balloon with
+free page reporting, as on the 2-core EPYC sandboxes) each page also faults on the host. There,
+2026-12-03, an engine's float32 KV pool of 32,768 tokens (1.5 GB) and packed weights (0.54 GB)
+took 12-16 s to map, against 1.5 s on 4 KiB pages.
 """
 
 from __future__ import annotations
