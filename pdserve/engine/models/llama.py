@@ -102,10 +102,11 @@ class LlamaForCausalLM:
                 lin.to_dense()
         self.norm = RMSNorm(backend, params["model.norm.weight"], cfg.rms_norm_eps)
         self.lm_head = Linear(backend, params.get("lm_head.weight", embed), quantized=quantized.get("lm_head.weight"), name="lm_head.weight")
-        for lin in (*linears, self.lm_head):  # what computes from blocks keeps no dense copy (the model's RSS)
+        every = (*linears, self.lm_head)  # in the order a step reads them
+        for lin in every:  # what computes from blocks keeps no dense copy (the model's RSS)
             lin.drop_dense()
-        for lin, packed in zip((*linears, self.lm_head), backend.arrange([lin.packed for lin in (*linears, self.lm_head)])):
-            lin.packed = packed  # in the order a step reads them
+        for lin, packed in zip(every, backend.arrange([lin.packed for lin in every])):
+            lin.packed = packed
         self.quantized = {"layers": linears[0].quantized if linears else False, "lm_head": self.lm_head.quantized,
                           "embedding": self.embed.quantized}
         self.fused = backend.fuse_layers(self.layers)  # all layers in one backend call, or None
