@@ -213,6 +213,20 @@ class Router:
 
         def response(token_ids: list[int], finish_reason: str | None, logprobs=None) -> Output:
             nonlocal num_generated, last_token_at, reason
+            token_ids, logprobs = list(token_ids), list(logprobs or ())
+            if stop.stop and token_ids:  # token by token: a chunk (decode.stream_interval) ends at the token that completes a match
+                text = ""
+                for i, token in enumerate(token_ids):
+                    text += stop.push(detok.add([token]) + (detok.finish() if finish_reason and i == len(token_ids) - 1 else ""))
+                    if stop.matched is not None:
+                        token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
+                        break
+            else:
+                text = stop.push(detok.add(token_ids) + (detok.finish() if finish_reason else ""))
+            if stop.matched is not None:
+                finish_reason = "stop"
+            elif finish_reason:
+                text += stop.flush()
             now = time.perf_counter()
             if token_ids:
                 if num_generated == 0:
@@ -225,14 +239,9 @@ class Router:
             num_generated += len(token_ids)
             if num_generated >= 2 or finish_reason:  # decode's first token (prefill samples the first), or the end
                 self.admission.decoding(request_id)
-            text = stop.push(detok.add(token_ids) + (detok.finish() if finish_reason else ""))
-            if stop.matched is not None:
-                finish_reason = "stop"
-            elif finish_reason:
-                text += stop.flush()
             if finish_reason:
                 reason = finish_reason
-            return Output(token_ids, text, finish_reason, num_prompt, num_generated, list(logprobs or ()))
+            return Output(token_ids, text, finish_reason, num_prompt, num_generated, logprobs)
 
         self.metrics.prompt_tokens.inc(num_prompt)
         items = self.path.stream(request_id, prompt_ids, params)

@@ -262,10 +262,16 @@ def test_stop_string_ends_the_text_before_it_streamed_or_not(cluster, reference)
     word = full.split()[3]  # a word well inside the greedy answer
     stop = word[1:] if len(word) > 2 else word  # starts mid-token: matched on text, across token boundaries
     want = full[: full.index(stop)]
-    result = cluster.generate(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True, stop=[stop, "zzzz-never"])
+    # ids, usage and logprobs end at the token that completed the match, even inside one of
+    # decode's chunks of stream_interval tokens
+    ids = reference_generate(model, prompt, 24, ignore_eos=True)
+    want_ids = next(ids[:k] for k in range(1, 25) if stop in tokenizer.decode(ids[:k], skip_special_tokens=True))
+    result = cluster.generate(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True, stop=[stop, "zzzz-never"], logprobs=1)
     assert result.text == want and result.finish_reason == "stop"
-    chunks = [c.text for c in cluster.stream(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True, stop=[stop])]
-    assert "".join(chunks) == want and not any(stop in c for c in chunks)
+    assert result.token_ids == want_ids and result.completion_tokens == len(want_ids) and len(result.logprobs) == len(want_ids)
+    chunks = list(cluster.stream(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True, stop=[stop]))
+    assert "".join(c.text for c in chunks) == want and not any(stop in c.text for c in chunks)
+    assert [i for c in chunks for i in c.token_ids] == want_ids and chunks[-1].completion_tokens == len(want_ids)
 
 
 def test_min_tokens_holds_even_when_the_first_token_would_stop(cluster, reference):
