@@ -15,6 +15,7 @@ naming it, never silently ignored.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Union
@@ -270,4 +271,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
 
 
 def error_body(message: str, kind: str, status: int) -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    """OpenAI's error object. ``param`` is the request field the message starts with (as in
+    "max_tokens must be >= 1, got 0" or "prompt.str: ..."), or None when it names none."""
+    head = re.split(r"[\s.:]", message, maxsplit=1)[0]
+    param = head if head in CompletionRequest.model_fields or head in ChatCompletionRequest.model_fields else None
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

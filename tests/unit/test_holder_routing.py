@@ -1,6 +1,6 @@
 """Holder-aware routing's policy (router/holder_routing.py) on plain replica records, no Ray
 cluster: a call by request id goes to the replica the request was routed to. The same on
-real replicas: tests/test_cancel_storm.py."""
+real replicas: tests/cluster/test_reliability.py."""
 
 import asyncio
 from types import SimpleNamespace

@@ -113,3 +113,14 @@ def test_a_seed_past_int64_is_refused_by_name():
     params = parse(oa.CompletionRequest, prompt="Hi", seed=2**64 + 5).sampling_params(16)
     with pytest.raises(InvalidRequestError, match=r"seed must be in \[0, 2\*\*63\), got 18446744073709551621"):
         params.validate(1, 100)
+
+
+def test_an_error_names_the_field_it_is_about_as_openais_param():
+    """``param`` is the request field an error message starts with, as OpenAI's errors carry it."""
+    assert oa.error_body("max_tokens must be >= 1, got 0", "invalid_request_error", 400)["error"]["param"] == "max_tokens"
+    with pytest.raises(InvalidRequestError) as wrong_type:
+        parse(oa.CompletionRequest, prompt=5)
+    assert oa.error_body(str(wrong_type.value), "invalid_request_error", 400)["error"]["param"] == "prompt"
+    assert oa.error_body("top_logprobs needs logprobs: true", "invalid_request_error", 400)["error"]["param"] == "top_logprobs"
+    assert oa.error_body("unsupported parameter(s) for pdserve: n", "invalid_request_error", 400)["error"]["param"] is None
+    assert oa.error_body("server busy", "rate_limit_error", 429)["error"] == {"message": "server busy", "type": "rate_limit_error", "param": None, "code": 429}

@@ -11,7 +11,7 @@
  * vdpbf16ps: pairs k = 2i, 2i+1 in order), then the bias. That order depends on K only:
  * not on M, on the row's place in the batch, on the tile, nor on the thread count (threads
  * split panels). So a token's outputs are the same bits alone, in any batch, in a prefill or
- * a decode step: what tests/test_batch_invariance.py checks end to end.
+ * a decode step: what tests/unit/test_batch_invariance.py checks end to end.
  *
  * A panel ([K, NP]: 147 KB at K = 576 in float32) stays in L2 while all row tiles pass it.
  * dtypes: float32 (x, w, y float32); bf16 (x, w, bias, y bf16; sums in float32, y rounded to
