@@ -155,8 +155,14 @@ def parse(model_cls: type[BaseModel], body: bytes) -> Any:
     try:
         request = model_cls.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        errors = e.errors()
+        err, loc = errors[0], errors[0].get("loc", ())
+        tag = next((i for i, p in enumerate(loc) if isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool"))), None)
+        if tag is not None:  # each member of a union refused it (pydantic tags the path with the member): say what the field takes
+            kinds = dict.fromkeys(x["loc"][tag] for x in errors if len(x.get("loc", ())) > tag and x["loc"][:tag] == loc[:tag])
+            where = ".".join(str(p) for p in loc[:tag]) or "body"
+            raise InvalidRequestError(f"{where} must be one of: {', '.join(kinds)}; got {json.dumps(err.get('input'))[:80]}") from None
+        where = ".".join(str(p) for p in loc) or "body"
         raise InvalidRequestError(f"{where}: {err.get('msg', 'invalid')}") from None
     bad = request.unsupported()
     if bad:

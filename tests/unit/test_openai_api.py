@@ -124,3 +124,12 @@ def test_an_error_names_the_field_it_is_about_as_openais_param():
     assert oa.error_body("top_logprobs needs logprobs: true", "invalid_request_error", 400)["error"]["param"] == "top_logprobs"
     assert oa.error_body("unsupported parameter(s) for pdserve: n", "invalid_request_error", 400)["error"]["param"] is None
     assert oa.error_body("server busy", "rate_limit_error", 429)["error"] == {"message": "server busy", "type": "rate_limit_error", "param": None, "code": 429}
+
+
+def test_a_value_no_member_of_a_union_takes_names_the_field_and_what_it_takes():
+    with pytest.raises(InvalidRequestError, match=r"^prompt must be one of: str, list\[int\], list\[str\], list\[list\[int\]\]; got 5$"):
+        parse(oa.CompletionRequest, prompt=5)
+    with pytest.raises(InvalidRequestError, match=r"^messages\.0\.content must be one of: str, list\[ContentPart\]; got 5$"):
+        parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": 5}])
+    with pytest.raises(InvalidRequestError, match=r"^stop must be one of: str, list\[str\]; got 5$"):
+        parse(oa.CompletionRequest, prompt="Hi", stop=5)
