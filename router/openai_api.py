@@ -278,7 +278,7 @@ def error_status(exc: BaseException) -> tuple[int, str]:
 
 def error_body(message: str, kind: str, status: int) -> dict:
     """OpenAI's error object. ``param`` is the request field the message starts with (as in
-    "max_tokens must be >= 1, got 0" or "prompt.str: ..."), or None when it names none."""
+    "max_tokens must be >= 1, got 0" or "prompt must be one of: ..."), or None when it names none."""
     head = re.split(r"[\s.:]", message, maxsplit=1)[0]
     param = head if head in CompletionRequest.model_fields or head in ChatCompletionRequest.model_fields else None
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
