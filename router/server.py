@@ -214,15 +214,13 @@ class Router:
         def response(token_ids: list[int], finish_reason: str | None, logprobs=None) -> Output:
             nonlocal num_generated, last_token_at, reason
             token_ids, logprobs = list(token_ids), list(logprobs or ())
-            if stop.stop and token_ids:  # token by token: a chunk (decode.stream_interval) ends at the token that completes a match
-                text = ""
-                for i, token in enumerate(token_ids):
-                    text += stop.push(detok.add([token]) + (detok.finish() if finish_reason and i == len(token_ids) - 1 else ""))
-                    if stop.matched is not None:
-                        token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
-                        break
-            else:
-                text = stop.push(detok.add(token_ids) + (detok.finish() if finish_reason else ""))
+            # with stop strings, token by token: a chunk (decode.stream_interval) ends at the token that completes a match
+            pieces, text = [[t] for t in token_ids] if stop.stop and token_ids else [token_ids], ""
+            for i, piece in enumerate(pieces):
+                text += stop.push(detok.add(piece) + (detok.finish() if finish_reason and i == len(pieces) - 1 else ""))
+                if stop.matched is not None:
+                    token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
+                    break
             if stop.matched is not None:
                 finish_reason = "stop"
             elif finish_reason:
