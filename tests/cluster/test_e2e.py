@@ -38,7 +38,7 @@ def cluster():
 def reference(real_model_dir):
     from pdserve.model_loader import load_model, load_tokenizer
 
-    torch.set_num_threads(1)  # as the workers (num_cpus: 1)
+    torch.set_num_threads(1)  # as the workers (num_cpus: 1); the references take every core (conftest.all_cores)
     return load_model(real_model_dir, "float32"), load_tokenizer(real_model_dir)
 
 

@@ -8,7 +8,7 @@ batch of 32 and chunked (tests/unit/test_batch_invariance.py has the full set on
 import pytest
 import torch
 
-from conftest import reference_generate
+from conftest import all_cores, reference_generate
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.model_loader import load_model, load_tokenizer
@@ -77,7 +77,8 @@ def reference_top_logprobs(model, prompt: list[int], num_tokens: int, k: int = 5
     ids = torch.tensor([prompt])
     config = GenerationConfig(do_sample=False, max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=model.config.pad_token_id,
                               eos_token_id=[], output_logits=True, return_dict_in_generate=True)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    with all_cores():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     tops = []
     for logits in out.logits:
         top = torch.topk(torch.log_softmax(logits[0].float(), -1), k)

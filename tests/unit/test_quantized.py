@@ -342,3 +342,27 @@ def test_a_gguf_with_k_quants_decodes_on_its_blocks_and_equals_generate(k_quant_
     for seq, prompt in zip(seqs, prompts):
         assert seq.token_ids[len(prompt):] == reference_generate(model, prompt, 12, ignore_eos=True)
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("which", ["bundled", "k_quants"])
+def test_the_header_reader_finds_what_ggufs_reader_finds(which, request):
+    """read_header (which skips the vocabulary's arrays) gives gguf.GGUFReader's tensors (name,
+    dims, type, data offset) and scalar and string metadata, on the bundled file and on one
+    GGUFWriter wrote; a file that is no GGUF, or is cut short, is a ValueError naming that."""
+    import mmap
+
+    from pdserve.gguf_weights import read_header
+
+    path = bundled_gguf_path() if which == "bundled" else request.getfixturevalue("k_quant_gguf")
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    meta, infos = read_header(memoryview(data))
+    reader = gguf.GGUFReader(str(path))
+    assert [(i.name, i.dims, i.ggml_type, i.offset) for i in infos] == [
+        (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset)) for t in reader.tensors]
+    scalars = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.") and f.types[0] != gguf.GGUFValueType.ARRAY}
+    assert meta == scalars and meta["general.architecture"] == "llama"
+    with pytest.raises(ValueError, match="not a GGUF"):
+        read_header(memoryview(b"PK\x03\x04" + bytes(40)))
+    with pytest.raises(ValueError, match="cut short"):
+        read_header(memoryview(data)[:100_000])
