@@ -24,7 +24,7 @@ GRPC_PORT, HTTP_PORT = 9170, 8170
 TWO = {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2}, "ray_actor_options": {"num_cpus": 0.5}, "kv_cache_tokens": 8192}
 HANG_FILE = Path(f"/tmp/pdserve-test-hang-{os.getpid()}")  # a decode replica that finds it hangs (pdserve/engine/loop.py)
 DECODE = {
-    **TWO, "max_num_batched_tokens": 512, "max_step_s": 20, "health_check_period_s": 1, "health_check_timeout_s": 5,
+    **TWO, "max_num_batched_tokens": 512, "max_step_s": 10, "health_check_period_s": 1, "health_check_timeout_s": 5,
     "ray_actor_options": {"num_cpus": 0.5, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HANG_FILE": str(HANG_FILE)}}},
 }
 
@@ -146,7 +146,7 @@ def test_a_decode_replica_whose_forward_hangs_is_replaced_alone_and_its_streams_
         stream_through(cluster, model, HANG_FILE.touch, seed=20)  # the first decode replica to step next hangs
         taken = list(HANG_FILE.parent.glob(f"{HANG_FILE.name}.taken-by-*"))
         assert len(taken) == 1 and not HANG_FILE.exists()
-        deadline = time.monotonic() + 180  # hung 20 s (max_step_s), 3 failed checks 1 s apart, a new replica loads
+        deadline = time.monotonic() + 180  # hung 10 s (max_step_s), 3 failed checks 1 s apart, a new replica loads
         while time.monotonic() < deadline and set(replicas("decode")) & decode_before == decode_before:
             time.sleep(1)
         wait_for_two_running()
