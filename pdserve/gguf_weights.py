@@ -93,6 +93,21 @@ def _read_header(buf: memoryview) -> tuple[dict[str, object], list[TensorInfo]]:
         pos += 8 + n
         return bytes(buf[pos - n : pos]).decode("utf-8", errors="replace")
 
+    def skip_array() -> None:
+        nonlocal pos
+        item, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if item == 8:
+            for _ in range(count):
+                pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        elif item == 9:
+            for _ in range(count):
+                skip_array()
+        elif item in _SCALAR:
+            pos += count * struct.calcsize(_SCALAR[item])
+        else:
+            raise ValueError(f"GGUF metadata: an array of unknown value type {item}")
+
     meta: dict[str, object] = {}
     for _ in range(n_kv):
         key = string()
@@ -101,15 +116,7 @@ def _read_header(buf: memoryview) -> tuple[dict[str, object], list[TensorInfo]]:
         if kind == 8:
             meta[key] = string()
         elif kind == 9:
-            item, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if item == 8:
-                for _ in range(count):
-                    pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
-            elif item in _SCALAR:
-                pos += count * struct.calcsize(_SCALAR[item])
-            else:
-                raise ValueError(f"GGUF metadata {key}: an array of type {item} (nested arrays are not read)")
+            skip_array()
         elif kind in _SCALAR:
             (meta[key],) = struct.unpack_from(_SCALAR[kind], buf, pos)
             pos += struct.calcsize(_SCALAR[kind])

@@ -366,3 +366,17 @@ def test_the_header_reader_finds_what_ggufs_reader_finds(which, request):
         read_header(memoryview(b"PK\x03\x04" + bytes(40)))
     with pytest.raises(ValueError, match="cut short"):
         read_header(memoryview(data)[:100_000])
+
+
+def test_a_gguf_whose_header_is_not_read_serves_dense_weights(tmp_path, caplog):
+    """A GGUF the header walker refuses (here: cut short) leaves the pool on the de-quantized
+    model, with a warning naming why, rather than failing the replica."""
+    from transformers import AutoConfig
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(bundled_gguf_path().read_bytes()[:100_000])
+    cfg = ClusterConfig.from_dict({"model": {"path": str(cut)}, "decode": {"weights": "quantized"}})
+    config = AutoConfig.for_model("llama")
+    with caplog.at_level(logging.WARNING, logger="pdserve.worker"):
+        assert quantized_weights(cfg, "decode", config, "float32") is None
+    assert "GGUF header cut short" in caplog.text and "dense weights" in caplog.text
