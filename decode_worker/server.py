@@ -20,6 +20,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.errors import CapacityError, FirstTokenMissingError, KVAuthError, KVIncompatibleError, KVTransferError, PrefillEndedError
 from pdserve.messages import DecodeRequest, FreshRequest, LayerwiseKV, Migrated, TokenChunk, WithKV
 from pdserve.metrics import PoolMetrics
+from pdserve.replica_log import to_replica_log
 from pdserve.worker import PREFILL_DEADLINE_S, build_engine, replica_name, rss_bytes
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class DecodeServer:
     """
 
     def __init__(self, config: dict[str, Any], pool: str = "decode"):
+        to_replica_log()  # this replica's INFO lines (model, weights, KV pool) in its Serve log
         self.cfg = ClusterConfig.from_dict(config)
         self.pool = pool
         self.pool_cfg = getattr(self.cfg, pool)

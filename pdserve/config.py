@@ -225,6 +225,17 @@ class SecurityConfig:
         return SecurityConfig(one(self.api_key, "api_key"), one(self.kv_secret, "kv_secret"))
 
 
+def _check_actor_options(name: str, actor: Any) -> None:
+    """Raises ConfigError unless ``actor`` (a section's ray_actor_options) is a mapping whose
+    num_cpus and num_gpus, where set, are numbers >= 0."""
+    if not isinstance(actor, dict):
+        raise ConfigError(f"{name}.ray_actor_options must be a mapping, not {actor!r}")
+    for key in ("num_cpus", "num_gpus"):
+        value = actor.get(key, 0)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            raise ConfigError(f"{name}.ray_actor_options.{key} must be a number >= 0, not {value!r}")
+
+
 @dataclass
 class ClusterConfig:
     # disaggregated: prefill and decode pools; colocated: one pool doing both (the baseline
@@ -316,6 +327,12 @@ class ClusterConfig:
         if not isinstance(self.router.host, str) or not self.router.host:
             raise ConfigError(f"router.host must be an address to listen on, such as 127.0.0.1 or 0.0.0.0, not {self.router.host!r}")
         r = self.router
+        for key, port in (("router.grpc_port", r.grpc_port), ("router.http_port", r.http_port), ("ray.metrics_export_port", self.ray.metrics_export_port)):
+            if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+                raise ConfigError(f"{key} must be a TCP port from 1 to 65535, not {port!r}")
+        _check_actor_options("router", r.ray_actor_options)
+        if r.grpc_port == r.http_port:
+            raise ConfigError(f"router.grpc_port and router.http_port must differ (both {r.grpc_port})")
         if (r.tls_cert_file is None) != (r.tls_key_file is None) or (r.tls_client_ca_file is not None and r.tls_cert_file is None):
             raise ConfigError("router TLS needs both router.tls_cert_file and router.tls_key_file (and them for tls_client_ca_file)")
         if not isinstance(self.router.client_keepalive_s, (int, float)) or not self.router.client_keepalive_s >= 1:
@@ -355,6 +372,7 @@ class ClusterConfig:
                 raise ConfigError(f"{name}.stream_interval must be an integer from 1 to 64 tokens, not {pool.stream_interval!r}")
             if not isinstance(pool.engine_nice, int) or isinstance(pool.engine_nice, bool) or not -20 <= pool.engine_nice <= 19:
                 raise ConfigError(f"{name}.engine_nice must be an integer from -20 to 19, not {pool.engine_nice!r}")
+            _check_actor_options(name, pool.ray_actor_options)
             if pool.weights not in WEIGHTS:
                 raise ConfigError(f"{name}.weights must be one of {', '.join(WEIGHTS)}, not {pool.weights!r}")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:

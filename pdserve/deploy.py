@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 
 from pdserve.autoscaling import ray_policy
-from pdserve.config import KV_SECRET_OFF, ClusterConfig, PoolConfig
+from pdserve.config import KV_SECRET_OFF, ClusterConfig, ConfigError, PoolConfig
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +115,32 @@ def http_tls(cfg: ClusterConfig) -> dict:
 
 def start_serve(cfg: ClusterConfig) -> None:
     """Start Ray Serve's HTTP proxies on ``router.host:router.http_port``. Its gRPC proxy stays
-    off: each router replica serves the gRPC API itself (router/grpc_server.py)."""
+    off: each router replica serves the gRPC API itself (router/grpc_server.py).
+
+    Raises ConfigError where Serve already runs with its HTTP proxies on another host or port:
+    Serve applies ``http_options`` only when it starts, and would keep the old ones silently."""
+    running = _running_http()
+    wanted = (cfg.router.host, cfg.router.http_port)
+    if running is not None and running != wanted:
+        raise ConfigError(f"Ray Serve already serves HTTP on {running[0]}:{running[1]}, and router.host / router.http_port "
+                          f"({wanted[0]}:{wanted[1]}) apply only when it starts: `pdserve down`, then `pdserve up`")
     serve.start(
         proxy_location=cfg.router.proxy_location,
         http_options={"host": cfg.router.host, "port": cfg.router.http_port, **http_tls(cfg)},
         grpc_options=gRPCOptions(port=cfg.router.grpc_port, grpc_servicer_functions=[]),
     )
+
+
+def _running_http() -> tuple[str, int] | None:
+    """(host, port) of the HTTP proxies of the Ray Serve running on the connected cluster, or
+    None where none runs (or this Ray's Serve does not say: its client is Serve's private API)."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        return None if client is None else (client.http_config.host, int(client.http_config.port))
+    except Exception:  # noqa: BLE001 - another Ray version's internals: skip the check
+        return None
 
 
 def deploy(cfg: ClusterConfig) -> None:

@@ -16,6 +16,7 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import PrefillRequest, PrefillResult, PrefillStarted
 from pdserve.metrics import PoolMetrics
+from pdserve.replica_log import to_replica_log
 from pdserve.worker import PREFILL_DEADLINE_S, build_engine, replica_name, rss_bytes
 
 
@@ -40,6 +41,7 @@ class PrefillServer:
     """
 
     def __init__(self, config: dict[str, Any]):
+        to_replica_log()  # this replica's INFO lines (model, weights, KV pool) in its Serve log
         self.cfg = ClusterConfig.from_dict(config)
         self.pool_cfg = self.cfg.prefill
         self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)

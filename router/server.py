@@ -33,6 +33,7 @@ from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.metrics import RouterMetrics
 from pdserve.model_loader import load_tokenizer, resolve_model_dir
+from pdserve.replica_log import to_replica_log
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from pdserve.worker import max_model_len
@@ -74,6 +75,7 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
 @serve.ingress(app)
 class Router:
     def __init__(self, prefill, decode, config: dict[str, Any]):
+        to_replica_log()  # this replica's INFO lines (model, weights, KV pool) in its Serve log
         self.cfg = ClusterConfig.from_dict(config)
         model_dir = resolve_model_dir(self.cfg.model.path)
         self.tokenizer = load_tokenizer(model_dir)

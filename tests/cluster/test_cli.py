@@ -65,6 +65,13 @@ def test_up_generate_down(tmp_path):
 
         bad = pdserve("generate", "Hi", "--max-tokens", "0")
         assert bad.returncode == 1 and "INVALID_ARGUMENT: max_tokens must be >= 1" in bad.stderr
+
+        # Serve applies its HTTP port only when it starts: a redeploy that moves it is refused, and the cluster keeps serving
+        moved = tmp_path / "moved.yaml"
+        moved.write_text(config.read_text().replace(f"http_port: {HTTP_PORT}", f"http_port: {HTTP_PORT + 1}"))
+        redeploy = pdserve("up", str(moved), "--redeploy")
+        assert redeploy.returncode == 1 and f"Ray Serve already serves HTTP on 127.0.0.1:{HTTP_PORT}" in redeploy.stderr, redeploy.stderr[-3000:]
+        assert pdserve("generate", "Hi", "--max-tokens", "2").returncode == 0
     finally:
         down = pdserve("down")
     assert down.returncode == 0, down.stderr[-3000:]

@@ -39,6 +39,13 @@ def test_pools_are_configured_independently():
         ({"model": {"backend": "avx"}}, "model.backend must be one of auto, cpu, torch, cuda, not 'avx'"),
         ({"decode": {"engine_nice": 20}}, "decode.engine_nice must be an integer from -20 to 19, not 20"),
         ({"decode": {"engine_nice": "low"}}, "decode.engine_nice must be an integer"),
+        ({"router": {"grpc_port": -5}}, "router.grpc_port must be a TCP port from 1 to 65535, not -5"),
+        ({"router": {"http_port": 99999}}, "router.http_port must be a TCP port from 1 to 65535, not 99999"),
+        ({"router": {"grpc_port": "abc"}}, "router.grpc_port must be a TCP port from 1 to 65535, not 'abc'"),
+        ({"router": {"grpc_port": 8000}}, r"router.grpc_port and router.http_port must differ \(both 8000\)"),
+        ({"ray": {"metrics_export_port": 0}}, "ray.metrics_export_port must be a TCP port"),
+        ({"prefill": {"ray_actor_options": {"num_cpus": "two"}}}, "prefill.ray_actor_options.num_cpus must be a number >= 0, not 'two'"),
+        ({"router": {"ray_actor_options": {"num_gpus": -1}}}, "router.ray_actor_options.num_gpus must be a number >= 0, not -1"),
     ],
 )
 def test_bad_config_names_the_key(raw, message):
