@@ -167,6 +167,8 @@ def parse(model_cls: type[BaseModel], body: bytes) -> Any:
     bad = request.unsupported()
     if bad:
         raise InvalidRequestError(f"unsupported parameter(s) for pdserve: {', '.join(bad)}")
+    if getattr(request, "stream_options", None) is not None and not request.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true (as OpenAI and vLLM refuse it)")
     return request
 
 

@@ -133,3 +133,11 @@ def test_a_value_no_member_of_a_union_takes_names_the_field_and_what_it_takes():
         parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": 5}])
     with pytest.raises(InvalidRequestError, match=r"^stop must be one of: str, list\[str\]; got 5$"):
         parse(oa.CompletionRequest, prompt="Hi", stop=5)
+
+
+def test_stream_options_without_stream_are_refused():
+    with pytest.raises(InvalidRequestError, match="stream_options is only allowed when stream is true"):
+        parse(oa.CompletionRequest, prompt="Hi", stream_options={"include_usage": True})
+    assert parse(oa.CompletionRequest, prompt="Hi", stream=True, stream_options={"include_usage": True}).stream_options.include_usage
+    assert parse(oa.CompletionRequest, prompt="Hi", stream=False, stream_options=None).stream_options is None
+    assert oa.error_body("stream_options is only allowed when stream is true", "invalid_request_error", 400)["error"]["param"] == "stream_options"
