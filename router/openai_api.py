@@ -278,9 +278,17 @@ def error_status(exc: BaseException) -> tuple[int, str]:
     return 500, "server_error"
 
 
+# messages that do not start with their field: (prefix, the field; "" = the first name after the prefix)
+_PARAM_OF_MESSAGE = (("unknown model", "model"), ("message role", "messages"), ("unsupported parameter(s) for pdserve:", ""))
+
+
 def error_body(message: str, kind: str, status: int) -> dict:
     """OpenAI's error object. ``param`` is the request field the message starts with (as in
-    "max_tokens must be >= 1, got 0" or "prompt must be one of: ..."), or None when it names none."""
+    "max_tokens must be >= 1, got 0" or "prompt must be one of: ..."), the field of a message in
+    ``_PARAM_OF_MESSAGE`` (the first unsupported one of several), or None when it names none."""
     head = re.split(r"[\s.:]", message, maxsplit=1)[0]
     param = head if head in CompletionRequest.model_fields or head in ChatCompletionRequest.model_fields else None
+    for prefix, field in _PARAM_OF_MESSAGE:
+        if param is None and message.startswith(prefix):
+            param = field or message[len(prefix):].split(",")[0].strip() or None
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

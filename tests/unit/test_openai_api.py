@@ -122,7 +122,10 @@ def test_an_error_names_the_field_it_is_about_as_openais_param():
         parse(oa.CompletionRequest, prompt=5)
     assert oa.error_body(str(wrong_type.value), "invalid_request_error", 400)["error"]["param"] == "prompt"
     assert oa.error_body("top_logprobs needs logprobs: true", "invalid_request_error", 400)["error"]["param"] == "top_logprobs"
-    assert oa.error_body("unsupported parameter(s) for pdserve: n", "invalid_request_error", 400)["error"]["param"] is None
+    assert oa.error_body("unsupported parameter(s) for pdserve: n, echo", "invalid_request_error", 400)["error"]["param"] == "n"
+    assert oa.error_body("unknown model 'x'; this cluster serves 'smollm2'", "invalid_request_error", 400)["error"]["param"] == "model"
+    assert oa.error_body("message role 'robot' is not one of system, user", "invalid_request_error", 400)["error"]["param"] == "messages"
+    assert oa.error_body("server busy", "invalid_request_error", 429)["error"]["param"] is None
     assert oa.error_body("server busy", "rate_limit_error", 429)["error"] == {"message": "server busy", "type": "rate_limit_error", "param": None, "code": 429}
 
 
