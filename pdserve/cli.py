@@ -240,13 +240,24 @@ def generate(
     """Stream an answer, then print TTFT, TPOT and token counts."""
     import grpc
 
-    endpoint = endpoint or _read_state().get("endpoint", DEFAULT_ENDPOINT)
-    if local and not _healthy(endpoint, tls_ca_file):
-        endpoint = _up(config, None, model)
+    from pdserve.client import build_request
+
     params = {"max_tokens": max_tokens, "temperature": temperature}
     if seed is not None:
         params["seed"] = seed
     request = {"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]}
+    try:
+        build_request(**request, **params)  # out of the protobuf fields' range: one line, before anything starts
+    except (TypeError, ValueError) as e:
+        raise _fail(str(e))
+    endpoint = endpoint or _read_state().get("endpoint", DEFAULT_ENDPOINT)
+    if local or config or model:
+        if _healthy(endpoint, tls_ca_file):
+            if config or model:
+                typer.echo(f"note: pdserve already answers at {endpoint}, so --config/--model are not applied "
+                           "(`pdserve up --redeploy` applies them)", err=True)
+        elif local:
+            endpoint = _up(config, None, model)
     start = time.perf_counter()
     first_at = last_at = None
     num_tokens, finish, num_prompt = 0, "", 0

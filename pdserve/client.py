@@ -86,7 +86,8 @@ def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] |
     """``params``: SamplingParams fields (max_tokens, temperature, top_p, top_k, seed,
     min_tokens, stop, stop_token_ids, ignore_eos, logprobs, repetition_penalty, presence_penalty,
     frequency_penalty). Raises ValueError for an
-    unknown one, TypeError naming the parameter for a value of the wrong type."""
+    unknown one or a value out of its field's range (``seed`` is an int64 >= 0), TypeError
+    naming the parameter for a value of the wrong type."""
     sampling = pb.SamplingParams()
     if isinstance(params.get("stop"), str):  # as OpenAI's: one stop string (else protobuf would take each character)
         params["stop"] = [params["stop"]]
@@ -95,8 +96,8 @@ def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] |
             raise ValueError(f"unknown sampling parameter: {name!r}")
         try:
             sampling.MergeFrom(pb.SamplingParams(**{name: value}))
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"sampling parameter {name}={value!r}: {e}") from None
+        except (TypeError, ValueError) as e:  # protobuf: TypeError for a wrong type, ValueError out of range
+            raise type(e)(f"sampling parameter {name}={value!r}: {e}") from None
     return pb.GenerateRequest(
         prompt=prompt or "", messages=[pb.ChatMessage(**m) for m in messages or []],
         prompt_token_ids=prompt_token_ids or [], params=sampling, request_id=request_id, model=model,
@@ -140,7 +141,13 @@ class _Call:
         self._deadline = time.monotonic() + timeout_s
         self._retries, self._backoff_s = retries, backoff_s
         self._call = None
-        self._cancelled = False
+        self._cancelled = self._iterated = False
+
+    def _claim(self) -> None:
+        """A stream sends its request once: iterating it again would send a second one."""
+        if self._iterated:
+            raise RuntimeError("this stream was already iterated; call stream() again for another request")
+        self._iterated = True
 
     def _start(self):
         self._call = self._stub.Generate(self._request, timeout=max(0.001, self._deadline - time.monotonic()), metadata=self._metadata)
@@ -160,15 +167,21 @@ class _Call:
 
 
 class Stream(_Call):
-    """Iterator of Chunk for one request; ``cancel()`` ends it (the server frees everything)."""
+    """Iterator of Chunk for one request, iterated once; ``cancel()`` ends it (the server frees
+    everything), and so does leaving the loop early. Raises RuntimeError when iterated again."""
 
     def __iter__(self) -> Iterator[Chunk]:
+        self._claim()
         attempt, got_any = 0, False
         while True:
             try:
                 for message in self._start():
                     got_any = True
-                    yield Chunk.from_pb(message)
+                    try:
+                        yield Chunk.from_pb(message)
+                    except GeneratorExit:  # the caller left the loop (break, return, an exception)
+                        self.cancel()
+                        raise
                 return
             except grpc.RpcError as e:
                 if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
@@ -243,15 +256,22 @@ def _current_task_cancelling() -> bool:
 
 
 class AsyncStream(_Call):
-    """Async iterator of Chunk for one request; ``cancel()`` ends it."""
+    """Async iterator of Chunk for one request, iterated once; ``cancel()`` ends it, and so
+    does leaving the loop early (when the event loop finalizes the iterator, or at once with
+    ``contextlib.aclosing``). Raises RuntimeError when iterated again."""
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
+        self._claim()
         attempt, got_any = 0, False
         while True:
             try:
                 async for message in self._start():
                     got_any = True
-                    yield Chunk.from_pb(message)
+                    try:
+                        yield Chunk.from_pb(message)
+                    except GeneratorExit:
+                        self.cancel()
+                        raise
                 return
             except asyncio.CancelledError:
                 if self._cancelled and not _current_task_cancelling():

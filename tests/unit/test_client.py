@@ -130,6 +130,8 @@ def test_a_mistyped_sampling_parameter_is_named_and_one_stop_string_stays_whole(
 
     with pytest.raises(TypeError, match="temperature='hot'"):
         build_request("hi", temperature="hot")
+    with pytest.raises(ValueError, match="seed=9223372036854775808"):  # past int64: out of range, not a type error
+        build_request("hi", seed=2**63)
     assert list(build_request("hi", stop="abc").params.stop) == ["abc"]
     assert list(build_request("hi", stop=["a", "bc"]).params.stop) == ["a", "bc"]
 
@@ -179,3 +181,69 @@ def test_the_retry_hint_is_read_from_the_message_when_metadata_is_dropped():
             return "server busy: 4 requests in flight (router.max_in_flight); retry after 0.5 s"
 
     assert server_retry_after_s(Error()) == 0.5
+
+
+class Endless(pb_grpc.GeneratorServicer):
+    """Streams a token every 10 ms, max_tokens of them; ``ended`` is set when the call ends on the server."""
+
+    def __init__(self):
+        import threading
+
+        self.ended, self.calls = threading.Event(), 0
+
+    def Generate(self, request, context):
+        import time
+
+        self.calls += 1
+        context.add_callback(self.ended.set)
+        for i in range(request.params.max_tokens or 1000):
+            if not context.is_active():
+                return
+            yield pb.GenerateResponse(token_ids=[i], text="x", prompt_tokens=1, completion_tokens=i + 1)
+            time.sleep(0.01)
+
+    def Health(self, request, context):
+        return pb.HealthResponse()
+
+
+def test_leaving_the_loop_of_a_held_stream_ends_the_call_and_a_stream_runs_once(serve):
+    servicer = Endless()
+    with Client(serve(servicer)) as client:
+        stream = client.stream("hi", max_tokens=1000)  # held: its call must not outlive the loop
+        for _ in stream:
+            break
+        assert servicer.ended.wait(5), "the server kept generating for a loop that had ended"
+        with pytest.raises(RuntimeError, match="already iterated"):
+            next(iter(stream))
+    assert servicer.calls == 1
+
+
+def test_leaving_the_loop_of_a_held_async_stream_ends_the_call(serve):
+    servicer = Endless()
+    endpoint = serve(servicer)
+
+    async def run():
+        async with AsyncClient(endpoint) as client:
+            stream = client.stream("hi", max_tokens=1000)
+            async for _ in stream:
+                break
+            for _ in range(500):  # the event loop finalizes the abandoned iterator
+                if servicer.ended.is_set():
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+    assert asyncio.run(run()), "the server kept generating for a loop that had ended"
+
+
+def test_the_cli_refuses_out_of_range_values_in_one_line_and_says_when_its_model_flag_is_not_applied(serve):
+    from typer.testing import CliRunner
+
+    from pdserve.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["generate", "--endpoint", "127.0.0.1:1", "--max-tokens", "99999999999", "hi"])
+    assert out.exit_code == 2 and "error: sampling parameter max_tokens=99999999999" in out.output, out.output
+    endpoint = serve(Endless())
+    out = runner.invoke(app, ["generate", "--endpoint", endpoint, "--model", "other", "--max-tokens", "3", "hi"])
+    assert "note: pdserve already answers at" in out.output and "--config/--model are not applied" in out.output, out.output
