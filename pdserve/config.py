@@ -261,6 +261,8 @@ class ClusterConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "ClusterConfig":
         """Build from a parsed YAML mapping. Raises ConfigError on unknown keys or bad values."""
+        if raw is not None and not isinstance(raw, dict):
+            raise ConfigError(f"cluster.yaml must be a mapping of sections (model:, prefill:, ...), not a {type(raw).__name__}")
         cfg, raw = cls(), dict(raw or {})
         defaults = raw.pop("pool_defaults", None) or {}
         if not isinstance(defaults, dict):
@@ -268,6 +270,9 @@ class ClusterConfig:
         for key in defaults:
             if key in ROLE_KEYS:
                 raise ConfigError(f"cluster.yaml: pool_defaults.{key} is not shared: set it in {' and '.join(ROLE_KEYS[key])}")
+        for section, values in raw.items():
+            if section != "mode" and values is not None and not isinstance(values, dict):
+                raise ConfigError(f"cluster.yaml: {section} must be a mapping of keys, not {values!r}")
         for pool in POOLS:
             own = dict(raw.get(pool) or {})
             for key in [k for k in own if k in ROLE_KEYS and pool not in ROLE_KEYS[k]]:
@@ -300,7 +305,11 @@ class ClusterConfig:
         if path is None:
             return cls()
         with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f))
+            try:
+                raw = yaml.safe_load(f)
+            except yaml.YAMLError as e:  # its message names the line and column
+                raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+        return cls.from_dict(raw)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -309,6 +318,9 @@ class ClusterConfig:
             raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16, not {self.model.dtype!r}")
         if self.model.backend not in ENGINE_BACKENDS:
             raise ConfigError(f"model.backend must be one of {', '.join(ENGINE_BACKENDS)}, not {self.model.backend!r}")
+        if self.model.max_model_len is not None and (not isinstance(self.model.max_model_len, int) or isinstance(self.model.max_model_len, bool)
+                                                      or self.model.max_model_len < 1):
+            raise ConfigError(f"model.max_model_len must be a positive number of tokens or null (the model's context), not {self.model.max_model_len!r}")
         if self.model.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"model.device must be auto, cpu or cuda, not {self.model.device!r}")
         if self.kv_transfer.backend not in KV_BACKENDS:
@@ -375,6 +387,10 @@ class ClusterConfig:
             _check_actor_options(name, pool.ray_actor_options)
             if pool.weights not in WEIGHTS:
                 raise ConfigError(f"{name}.weights must be one of {', '.join(WEIGHTS)}, not {pool.weights!r}")
+            for key in ("kv_cache_tokens", "kv_cache_bytes"):
+                value = getattr(pool, key)
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                    raise ConfigError(f"{name}.{key} must be a positive integer or null, not {value!r}")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
                 raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")
             try:

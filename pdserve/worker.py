@@ -57,14 +57,22 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
 
 
 def max_model_len(cfg: ClusterConfig, model_config) -> int:
-    """Tokens of context (prompt + output) that every component enforces."""
+    """Tokens of context (prompt + output) that every component enforces: ``model.max_model_len``,
+    or the model's own (``max_position_embeddings``) when it is null. Raises ConfigError for
+    one longer than the model's, which its position table does not cover."""
     limit = model_config.max_position_embeddings
-    return min(cfg.model.max_model_len, limit) if cfg.model.max_model_len else limit
+    if cfg.model.max_model_len is not None and cfg.model.max_model_len > limit:
+        raise ConfigError(f"model.max_model_len {cfg.model.max_model_len} is more than the model's context of {limit} tokens "
+                          "(max_position_embeddings); lower it or leave it null")
+    return cfg.model.max_model_len or limit
 
 
 def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str, backend: str = "auto") -> EngineConfig:
     """Raises ConfigError if the KV pool cannot hold one request of ``max_len`` tokens."""
-    num_blocks = PagedKVCache.num_blocks_for(spec, pool.block_size, pool.kv_cache_tokens, pool.kv_cache_bytes)
+    try:
+        num_blocks = PagedKVCache.num_blocks_for(spec, pool.block_size, pool.kv_cache_tokens, pool.kv_cache_bytes)
+    except ValueError as e:  # a pool smaller than one block
+        raise ConfigError(f"{pool_name}: {e} (kv_cache_tokens/kv_cache_bytes)") from None
     if num_blocks * pool.block_size < max_len:
         raise ConfigError(
             f"{pool_name}: the KV pool holds {num_blocks * pool.block_size} tokens, less than the "

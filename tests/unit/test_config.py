@@ -46,11 +46,38 @@ def test_pools_are_configured_independently():
         ({"ray": {"metrics_export_port": 0}}, "ray.metrics_export_port must be a TCP port"),
         ({"prefill": {"ray_actor_options": {"num_cpus": "two"}}}, "prefill.ray_actor_options.num_cpus must be a number >= 0, not 'two'"),
         ({"router": {"ray_actor_options": {"num_gpus": -1}}}, "router.ray_actor_options.num_gpus must be a number >= 0, not -1"),
+        ({"decode": {"kv_cache_tokens": "lots"}}, "decode.kv_cache_tokens must be a positive integer or null, not 'lots'"),
+        ({"decode": {"kv_cache_tokens": "1.5e4"}}, "decode.kv_cache_tokens must be a positive integer"),  # YAML reads 1.5e4 as a string
+        ({"prefill": {"kv_cache_tokens": -100}}, "prefill.kv_cache_tokens must be a positive integer or null, not -100"),
+        ({"pool_defaults": {"kv_cache_bytes": True}}, "kv_cache_bytes must be a positive integer or null, not True"),
+        ({"model": {"max_model_len": -5}}, r"model.max_model_len must be a positive number of tokens or null \(the model's context\), not -5"),
+        ({"model": {"max_model_len": 0}}, "model.max_model_len must be a positive number"),
+        ({"decode": 5}, "cluster.yaml: decode must be a mapping of keys, not 5"),
+        (["mode", "colocated"], "cluster.yaml must be a mapping of sections"),
     ],
 )
 def test_bad_config_names_the_key(raw, message):
     with pytest.raises(ConfigError, match=message):
         ClusterConfig.from_dict(raw)
+
+
+def test_a_file_that_is_not_yaml_and_a_pool_below_one_block_or_a_context_past_the_models_are_named(tmp_path):
+    from transformers import LlamaConfig
+
+    from pdserve.worker import check_pools, max_model_len
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text("decode:\n  kv_cache_tokens: [1\n")
+    with pytest.raises(ConfigError, match=r"cluster.yaml is not valid YAML: .*line \d+"):
+        ClusterConfig.load(path)
+    model_config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=512)
+    with pytest.raises(ConfigError, match="decode: the KV pool must hold at least one block of 16 tokens"):
+        check_pools(ClusterConfig.from_dict({"decode": {"kv_cache_bytes": 10}}), model_config, "float32")
+    with pytest.raises(ConfigError, match="model.max_model_len 100000 is more than the model's context of 512 tokens"):
+        max_model_len(ClusterConfig.from_dict({"model": {"max_model_len": 100000}}), model_config)
+    assert max_model_len(ClusterConfig.from_dict({"model": {"max_model_len": 256}}), model_config) == 256
+    assert max_model_len(ClusterConfig(), model_config) == 512
 
 
 def test_secrets_come_from_the_environment_when_asked(monkeypatch):
