@@ -9,7 +9,9 @@ pools' KV. Ray Serve still places, routes to and autoscales the deployments behi
 
 Every router replica listens on ``router.host:router.grpc_port``; replicas on one node share
 the port (``SO_REUSEPORT``: the kernel spreads connections over them). Errors carry their
-real status code, a retry hint in the ``retry-after`` trailing metadata.
+real status code, a retry hint in the ``retry-after`` trailing metadata; bytes that are no
+``GenerateRequest`` (invalid UTF-8 in a string field, a cut message) get INVALID_ARGUMENT
+with protobuf's reason, where grpcio's own parsing would answer INTERNAL.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.rpc import generate_pb2_grpc
@@ -31,11 +34,39 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class _Malformed:
+    """Request bytes that do not parse as a GenerateRequest; ``reason`` is protobuf's."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _parse_request(data: bytes) -> pb.GenerateRequest | _Malformed:
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return _Malformed(str(e))
+
+
+def _add_to_server(servicer: "_Generator", server: grpc.aio.Server) -> None:
+    """generate_pb2_grpc.add_GeneratorServicer_to_server, with Generate's requests parsed by ``_parse_request``."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_parse_request, response_serializer=pb.GenerateResponse.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            servicer.Health, request_deserializer=pb.HealthRequest.FromString, response_serializer=pb.HealthResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.rpc.Generator", handlers),))
+    server.add_registered_method_handlers("pdserve.rpc.Generator", handlers)
+
+
 class _Generator(generate_pb2_grpc.GeneratorServicer):
     def __init__(self, router: "Router"):
         self.router = router
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest | _Malformed, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid pdserve.rpc.GenerateRequest: {request.reason}")
         responses = self.router.generate_rpc(request, metadata_value(context.invocation_metadata(), "authorization"))
         try:
             async for response in responses:
@@ -76,7 +107,7 @@ class GrpcFrontDoor:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
         ])
-        generate_pb2_grpc.add_GeneratorServicer_to_server(_Generator(router), self.server)
+        _add_to_server(_Generator(router), self.server)
         self.address = f"{host}:{port}"
         if tls is None:
             bound = self.server.add_insecure_port(self.address)

@@ -195,7 +195,7 @@ def test_32_concurrent_requests_of_mixed_lengths_equal_reference(cluster, refere
     assert stats["num_running"] == 0 and stats["num_used_blocks"] == 0
 
 
-def test_unknown_model_is_invalid_argument(cluster):
+def test_unknown_model_and_unparsable_bytes_are_invalid_argument(cluster):
     from pdserve.rpc import generate_pb2 as pb
     from pdserve.rpc import generate_pb2_grpc as pb_grpc
 
@@ -204,6 +204,12 @@ def test_unknown_model_is_invalid_argument(cluster):
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(request, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown model 'gpt-9'" in info.value.details()
+    channel = grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}")
+    raw = channel.unary_stream("/pdserve.rpc.Generator/Generate", request_serializer=bytes, response_deserializer=bytes)
+    with pytest.raises(grpc.RpcError) as info:  # field 1 (prompt), a string, holding invalid UTF-8
+        list(raw(b"\x0a\x02\xff\xfe", timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    assert "not a valid pdserve.rpc.GenerateRequest" in info.value.details()
 
 
 def test_health(cluster):
