@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -86,7 +87,8 @@ def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] |
     """``params``: SamplingParams fields (max_tokens, temperature, top_p, top_k, seed,
     min_tokens, stop, stop_token_ids, ignore_eos, logprobs, repetition_penalty, presence_penalty,
     frequency_penalty). Raises ValueError for an
-    unknown one or a value out of its field's range (``seed`` is an int64 >= 0), TypeError
+    unknown one or a value out of its field's range (``seed`` is an int64, ``max_tokens`` an int32,
+    the float ones float32: a nonzero value that would arrive as 0 or inf is refused), TypeError
     naming the parameter for a value of the wrong type."""
     sampling = pb.SamplingParams()
     if isinstance(params.get("stop"), str):  # as OpenAI's: one stop string (else protobuf would take each character)
@@ -98,6 +100,9 @@ def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] |
             sampling.MergeFrom(pb.SamplingParams(**{name: value}))
         except (TypeError, ValueError) as e:  # protobuf: TypeError for a wrong type, ValueError out of range
             raise type(e)(f"sampling parameter {name}={value!r}: {e}") from None
+        sent = getattr(sampling, name)
+        if isinstance(sent, float) and isinstance(value, (int, float)) and math.isfinite(value) and value != 0 and (sent == 0 or math.isinf(sent)):
+            raise ValueError(f"sampling parameter {name}={value!r}: out of the float32 field's range (it would arrive as {sent})")
     return pb.GenerateRequest(
         prompt=prompt or "", messages=[pb.ChatMessage(**m) for m in messages or []],
         prompt_token_ids=prompt_token_ids or [], params=sampling, request_id=request_id, model=model,

@@ -132,6 +132,11 @@ def test_a_mistyped_sampling_parameter_is_named_and_one_stop_string_stays_whole(
         build_request("hi", temperature="hot")
     with pytest.raises(ValueError, match="seed=9223372036854775808"):  # past int64: out of range, not a type error
         build_request("hi", seed=2**63)
+    with pytest.raises(ValueError, match=r"top_p=1e-50: out of the float32 field's range \(it would arrive as 0.0\)"):
+        build_request("hi", top_p=1e-50)
+    with pytest.raises(ValueError, match="temperature=1e.39: out of the float32 field's range"):
+        build_request("hi", temperature=1e39)
+    assert build_request("hi", temperature=0.0, top_p=1e-30).params.temperature == 0.0
     assert list(build_request("hi", stop="abc").params.stop) == ["abc"]
     assert list(build_request("hi", stop=["a", "bc"]).params.stop) == ["a", "bc"]
 
