@@ -88,11 +88,11 @@ def main(argv: list[str] | None = None) -> dict:
     path = out / f"goodput-{args.label}.json"
     path.write_text(json.dumps(result, indent=2))
     runs = [result] + [json.loads(Path(p).read_text()) for p in args.compare]
-    plot(runs, out / "goodput.png")
     for run in runs:
         print(f"{run['label']}: goodput {run['goodput_rps'] if run['goodput_rps'] is not None else 'below the start rate'} req/s "
               f"at >= {run['attainment_target']:.0%} attainment (TTFT <= {run['ttft_slo_s']} s, TPOT <= {run['tpot_slo_s']} s)")
-    print(f"wrote {path} and {out / 'goodput.png'}")
+    plotted = serve.plot_or_say(plot, runs, out / "goodput.png")
+    print(f"wrote {path}" + (f" and {out / 'goodput.png'}" if plotted else ""))
     return result
 
 

@@ -193,10 +193,21 @@ def main(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps({"summary": summary, "requests": [asdict(r) for r in results]}, indent=2))
-    plot(results, summary, out / "serve.png")
     print_summary(summary)
-    print(f"wrote {out / 'serve.json'} and {out / 'serve.png'}")
+    wrote = [out / "serve.json"] + ([out / "serve.png"] if plot_or_say(plot, results, summary, out / "serve.png") else [])
+    print("wrote " + " and ".join(map(str, wrote)))
     return summary
+
+
+def plot_or_say(plot_fn, *args) -> bool:
+    """Run ``plot_fn(*args)``; without matplotlib (the ``bench`` extra), say so and go on. True if it plotted."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"{args[-1].name} skipped: matplotlib is not installed (bash scripts/install.sh test, or pip install 'pdserve[bench]')")
+        return False
+    plot_fn(*args)
+    return True
 
 
 def print_summary(s: dict) -> None:

@@ -47,7 +47,7 @@ def node_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _remove_stale_pool_files() -> None:
+def remove_stale_pool_files() -> None:
     """Pool files whose prefill process is gone (killed before it could unlink them)."""
     for path in glob.glob(os.path.join(SHM_DIR, SHM_PREFIX + "*")):
         try:
@@ -73,7 +73,7 @@ def shm_pool_path(cfg: KVTransferConfig, pool_bytes: int) -> str | None:
 
     if cfg.backend not in ("shm", "auto"):
         return None
-    _remove_stale_pool_files()
+    remove_stale_pool_files()
     free = shutil.disk_usage(SHM_DIR).free if os.path.isdir(SHM_DIR) else 0
     problem = None
     if free < pool_bytes * 1.1:

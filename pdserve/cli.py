@@ -96,8 +96,8 @@ def _replica_failure() -> str | None:
     return "; ".join(lines)[:2000] or None
 
 
-def _up(config: Path | None, address: str | None, model: str | None = None, redeploy: bool = False) -> str:
-    from pdserve.deploy import deploy
+def _up(config: Path | None, address: str | None, model: str | None = None, redeploy: bool = False, timeout_s: float = 900.0) -> str:
+    from pdserve.deploy import DeployStuckError, deploy
     from pdserve.model_loader import resolve_model_dir
 
     from pdserve.config import ConfigError
@@ -137,18 +137,35 @@ def _up(config: Path | None, address: str | None, model: str | None = None, rede
         raise _fail(str(e))
     started_now = _connect_ray(address or cfg.ray.address, cfg.ray.metrics_export_port)
     started_ray = started_now or _read_state().get("started_ray", False)
-    typer.echo("Deploying router, prefill and decode pools (each replica loads the model) ...", err=True)
+    _state_path().parent.mkdir(parents=True, exist_ok=True)
+    _state_path().write_text(json.dumps({"endpoint": endpoint, "started_ray": started_ray}))  # an interrupted `up`: `down` stops the head
+    pools = "a colocated pool" if cfg.mode == "colocated" else "prefill and decode pools"
+    typer.echo(f"Deploying the router and {pools} (each replica loads the model) ...", err=True)
     start = time.perf_counter()
+    if started_ray:  # a head `up` started has no autoscaler: what cannot be placed now never will be
+        import ray
+
+        from pdserve.deploy import placement_problem
+
+        problem = placement_problem(cfg, ray.cluster_resources())
+        if problem:
+            if started_now:
+                _stop_ray()
+                _state_path().unlink(missing_ok=True)
+                problem += " (the Ray head this `up` started is stopped)"
+            raise _fail(problem)
     try:
-        deploy(cfg)
+        deploy(cfg, timeout_s=timeout_s, fixed_resources=started_ray)
     except Exception as e:  # noqa: BLE001 - a replica refused to start, a port in use, ...: say why, leave nothing behind
-        reason = _replica_failure() or " ".join(str(e).split())[:2000] or type(e).__name__
+        stuck = isinstance(e, DeployStuckError)
+        reason = (None if stuck else _replica_failure()) or " ".join(str(e).split())[:2000] or type(e).__name__
         if started_now:
             _stop_ray()
+            _state_path().unlink(missing_ok=True)
             reason += " (the Ray head this `up` started is stopped)"
+        elif stuck:
+            reason += " (the cluster is left as Ray Serve has it: fix the config and `pdserve up --redeploy` it, or `pdserve down`)"
         raise _fail(f"deploy failed: {reason}", code=1)
-    _state_path().parent.mkdir(parents=True, exist_ok=True)
-    _state_path().write_text(json.dumps({"endpoint": endpoint, "started_ray": started_ray}))
     typer.echo(f"Deployed in {time.perf_counter() - start:.1f}s.", err=True)
     return endpoint
 
@@ -159,12 +176,15 @@ def up(
     address: Optional[str] = typer.Option(None, help="Ray cluster to join (overrides ray.address)"),
     model: Optional[str] = typer.Option(None, help=MODEL_HELP),
     redeploy: bool = typer.Option(False, help="redeploy even if pdserve already answers (restarts replicas)"),
+    timeout_s: float = typer.Option(900.0, help="give up (exit 1) if the app is not running after this many seconds"),
 ):
     """Start Ray (or join a cluster), deploy the pools and router, print the endpoint.
 
-    If pdserve already answers on the configured port, nothing is restarted.
+    If pdserve already answers on the configured port, nothing is restarted. On a Ray head
+    that `up` started, replicas that cannot be placed (more CPUs than the machine has) fail
+    the deploy once Ray Serve reports them (after ~30 s).
     """
-    endpoint = _up(config, address, model, redeploy)
+    endpoint = _up(config, address, model, redeploy, timeout_s)
     typer.echo(f"pdserve is up. gRPC endpoint: {endpoint}")
 
 
@@ -181,10 +201,14 @@ serve.shutdown()
 
 
 def _stop_ray() -> bool:
-    """``ray stop`` on this node (``--force`` if it has not finished in DOWN_TIMEOUT_S); True if it ran."""
+    """``ray stop`` on this node (``--force`` if it has not finished in DOWN_TIMEOUT_S), then the
+    /dev/shm KV pools of prefill replicas killed before they could remove them; True if it ran."""
+    from kv_transfer.factory import remove_stale_pool_files
+
     for args in (["stop"], ["stop", "--force"]):
         try:
             subprocess.run([_ray_cli(), *args], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=DOWN_TIMEOUT_S)
+            remove_stale_pool_files()
             return True
         except subprocess.TimeoutExpired:
             typer.echo(f"`ray {' '.join(args)}` did not finish in {DOWN_TIMEOUT_S:.0f} s", err=True)

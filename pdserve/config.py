@@ -225,6 +225,25 @@ class SecurityConfig:
         return SecurityConfig(one(self.api_key, "api_key"), one(self.kv_secret, "kv_secret"))
 
 
+def _check_autoscaling(name: str, autoscaling: Any) -> None:
+    """Raises ConfigError unless ``autoscaling`` (a pool's autoscaling_config) is a mapping of
+    Ray Serve's AutoscalingConfig keys that it accepts, in one line naming the problem."""
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+
+    if not isinstance(autoscaling, dict):
+        raise ConfigError(f"{name}.autoscaling_config must be a mapping (min_replicas, max_replicas, ...), not {autoscaling!r}")
+    unknown = sorted(set(autoscaling) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ConfigError(f"{name}.autoscaling_config: unknown key {unknown[0]!r} (Ray Serve's keys: {', '.join(AutoscalingConfig.model_fields)})")
+    try:
+        AutoscalingConfig(**{k: v for k, v in autoscaling.items() if k != "policy"})
+    except (ValidationError, TypeError, ValueError) as e:
+        errors = e.errors() if isinstance(e, ValidationError) else [{"loc": (), "msg": str(e)}]
+        where = ".".join(str(x) for x in errors[0]["loc"])
+        raise ConfigError(f"{name}.autoscaling_config{'.' + where if where else ''}: {errors[0]['msg']}") from None
+
+
 def _check_actor_options(name: str, actor: Any) -> None:
     """Raises ConfigError unless ``actor`` (a section's ray_actor_options) is a mapping whose
     num_cpus and num_gpus, where set, are numbers >= 0."""
@@ -385,6 +404,7 @@ class ClusterConfig:
             if not isinstance(pool.engine_nice, int) or isinstance(pool.engine_nice, bool) or not -20 <= pool.engine_nice <= 19:
                 raise ConfigError(f"{name}.engine_nice must be an integer from -20 to 19, not {pool.engine_nice!r}")
             _check_actor_options(name, pool.ray_actor_options)
+            _check_autoscaling(name, pool.autoscaling_config)
             if pool.weights not in WEIGHTS:
                 raise ConfigError(f"{name}.weights must be one of {', '.join(WEIGHTS)}, not {pool.weights!r}")
             for key in ("kv_cache_tokens", "kv_cache_bytes"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import time
 
 from ray import serve
 from ray.serve.config import gRPCOptions
@@ -143,7 +144,61 @@ def _running_http() -> tuple[str, int] | None:
         return None
 
 
-def deploy(cfg: ClusterConfig) -> None:
-    """Deploy (or update) the pdserve app on the connected Ray cluster; returns once it is running."""
+def placement_problem(cfg: ClusterConfig, total: dict[str, float]) -> str | None:
+    """Why the app's replicas cannot all be placed on a Ray cluster of fixed resources
+    ``total`` (``ray.cluster_resources()``: "CPU", "GPU" and custom ones), or None: a replica
+    asking for more of one than the whole cluster has, or every deployment at its
+    ``min_replicas`` (the router at ``num_replicas``) asking for more CPUs or GPUs together."""
+    pools = ("colocated",) if cfg.mode == "colocated" else ("prefill", "decode")
+    sections = [("router", cfg.router.ray_actor_options, cfg.router.num_replicas)]
+    sections += [(name, getattr(cfg, name).ray_actor_options, getattr(cfg, name).autoscaling_config.get("min_replicas", 1)) for name in pools]
+    together = {"CPU": 0.0, "GPU": 0.0}
+    for name, actor, replicas in sections:
+        demand = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus", 0), **(actor.get("resources") or {})}
+        for resource, amount in demand.items():
+            if amount and amount > total.get(resource, 0):
+                key = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(resource, f"resources.{resource}")
+                return (f"{name}: a replica needs {amount:g} {resource} (ray_actor_options.{key}), "
+                        f"and this Ray cluster has {total.get(resource, 0):g} in all")
+        for resource in together:
+            together[resource] += demand[resource] * replicas
+    for resource, amount in together.items():
+        if amount > total.get(resource, 0) + 1e-9:
+            return (f"the deployments at their min_replicas need {amount:g} {resource} together, and this Ray cluster "
+                    f"has {total.get(resource, 0):g}: lower ray_actor_options.num_{resource.lower()}s or min_replicas")
+    return None
+
+
+class DeployStuckError(TimeoutError):
+    """The app did not reach RUNNING: past the deadline, or with replicas that cannot be placed."""
+
+
+UNSCHEDULABLE = "to be scheduled"  # in Ray Serve's status message for a replica pending allocation for over 30 s
+
+
+def deploy(cfg: ClusterConfig, timeout_s: float = 900.0, fixed_resources: bool = False, poll_s: float = 1.0) -> None:
+    """Deploy (or update) the pdserve app on the connected Ray cluster; returns once it is running.
+
+    Raises RuntimeError when Ray Serve gives up on it (DEPLOY_FAILED: a replica's constructor
+    failed its retries), DeployStuckError after ``timeout_s`` seconds not running, or, with
+    ``fixed_resources`` (a Ray head with no autoscaler, as the one ``pdserve up`` starts),
+    as soon as Serve reports a replica that cannot be placed (its message names the
+    resources a replica needs and those available)."""
     start_serve(cfg)
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run_many([serve.RunTarget(build_app(cfg), name=APP_NAME, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        status = app.status if app is not None else "NOT_STARTED"
+        if status == "RUNNING":
+            return
+        if status == "DEPLOY_FAILED":
+            raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message}")
+        waiting = {name: " ".join(d.message.split()) for name, d in (app.deployments.items() if app else ()) if d.message}
+        stuck = {name: m for name, m in waiting.items() if UNSCHEDULABLE in m}
+        if fixed_resources and stuck:
+            raise DeployStuckError("; ".join(f"{name}: {m}" for name, m in stuck.items()))
+        if time.monotonic() > deadline:
+            raise DeployStuckError(f"not running after {timeout_s:.0f} s (status {status}): " + ("; ".join(f"{n}: {m}" for n, m in waiting.items()) or "no message from Ray Serve"))
+        time.sleep(poll_s)

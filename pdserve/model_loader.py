@@ -11,9 +11,11 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -104,14 +106,38 @@ def resolve_model_dir(spec: str) -> Path:
             raise ModelNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
         return path
     out = _gguf_cache_dir(gguf)
-    if (out / "config.json").is_file():
+    if (out / "config.json").is_file() and cache_damage(out) is None:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / (out.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another replica may be converting it
+        damage = cache_damage(out) if (out / "config.json").is_file() else None
+        if damage is not None:
+            log.warning("the cached conversion %s is damaged (%s): converting %s again", out, damage, gguf)
+            shutil.rmtree(out)
         if not (out / "config.json").is_file():
             convert_gguf(gguf, out)
     return out
+
+
+def cache_damage(model_dir: Path) -> str | None:
+    """What is wrong with a converted model's safetensors files, or None: each must be as long
+    as its header says (8-byte header length, JSON header, then the tensors' data_offsets),
+    which a cut-short or overwritten file is not. Reads only the headers."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return "no .safetensors file"
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len)) if header_len < 1 << 28 else None
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            if path.stat().st_size != 8 + header_len + end:
+                return f"{path.name} is {path.stat().st_size} bytes, its header says {8 + header_len + end}"
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, struct.error) as e:
+            return f"{path.name}: unreadable header ({type(e).__name__})"
+    return None
 
 
 def load_tokenizer(model_dir: Path):

@@ -71,6 +71,12 @@ def test_up_generate_down(tmp_path):
         moved.write_text(config.read_text().replace(f"http_port: {HTTP_PORT}", f"http_port: {HTTP_PORT + 1}"))
         redeploy = pdserve("up", str(moved), "--redeploy")
         assert redeploy.returncode == 1 and f"Ray Serve already serves HTTP on 127.0.0.1:{HTTP_PORT}" in redeploy.stderr, redeploy.stderr[-3000:]
+        # pools the head `up` started (os.cpu_count() CPUs) cannot hold: refused before Serve is asked, not left pending
+        big, cpus = tmp_path / "big.yaml", os.cpu_count()
+        big.write_text(config.read_text() + f"decode:\n  ray_actor_options: {{num_cpus: {cpus}}}\n")
+        redeploy = pdserve("up", str(big), "--redeploy")
+        assert redeploy.returncode == 2, redeploy.stderr[-3000:]
+        assert f"need {cpus + 1} CPU together, and this Ray cluster has {cpus}:" in redeploy.stderr, redeploy.stderr[-3000:]
         assert pdserve("generate", "Hi", "--max-tokens", "2").returncode == 0
     finally:
         down = pdserve("down")

@@ -54,6 +54,11 @@ def test_pools_are_configured_independently():
         ({"model": {"max_model_len": 0}}, "model.max_model_len must be a positive number"),
         ({"decode": 5}, "cluster.yaml: decode must be a mapping of keys, not 5"),
         (["mode", "colocated"], "cluster.yaml must be a mapping of sections"),
+        ({"decode": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 1}}},
+         r"decode.autoscaling_config: Value error, max_replicas \(1\) must be greater than or equal to min_replicas \(3\)!"),
+        ({"decode": {"autoscaling_config": {"min_replicas": 1, "bogus_key": 5}}}, "decode.autoscaling_config: unknown key 'bogus_key'"),
+        ({"prefill": {"autoscaling_config": "many"}}, "prefill.autoscaling_config must be a mapping"),
+        ({"prefill": {"autoscaling_config": {"max_replicas": -2}}}, "prefill.autoscaling_config.max_replicas: "),
     ],
 )
 def test_bad_config_names_the_key(raw, message):
@@ -190,3 +195,20 @@ def test_a_role_key_is_refused_in_pool_defaults_and_ignored_with_a_warning_in_an
     assert "decode.kv_lease_s is ignored: only prefill use it" in caplog.text
     assert "prefill.stream_interval is ignored: only decode and colocated use it" in caplog.text
     assert cfg.decode.max_num_seqs == 8 and cfg.prefill.kv_lease_s == 30.0
+
+
+def test_replicas_that_a_fixed_ray_cluster_cannot_place_are_named():
+    from pdserve.deploy import placement_problem
+
+    two_cpus = {"CPU": 2.0, "memory": 1e10}
+    assert placement_problem(ClusterConfig(), two_cpus) is None  # 1 + 1 CPUs, the router none
+    assert placement_problem(ClusterConfig.from_dict({"decode": {"ray_actor_options": {"num_cpus": 64}}}), two_cpus) == (
+        "decode: a replica needs 64 CPU (ray_actor_options.num_cpus), and this Ray cluster has 2 in all")
+    two_each = {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2}, "ray_actor_options": {"num_cpus": 0.5}}
+    assert placement_problem(ClusterConfig.from_dict({"prefill": two_each, "decode": two_each}), two_cpus) is None
+    assert placement_problem(ClusterConfig.from_dict({"decode": {"ray_actor_options": {"num_cpus": 2}}}), two_cpus) == (
+        "the deployments at their min_replicas need 3 CPU together, and this Ray cluster has 2: "
+        "lower ray_actor_options.num_cpus or min_replicas")
+    assert "resources.prefill_node" in placement_problem(
+        ClusterConfig.from_dict({"prefill": {"ray_actor_options": {"num_cpus": 1, "resources": {"prefill_node": 0.5}}}}), two_cpus)
+    assert placement_problem(ClusterConfig.from_dict({"mode": "colocated"}), two_cpus) is None  # one pool of 2 CPUs

@@ -27,6 +27,24 @@ def test_hf_directory_is_used_as_is(tmp_path):
     assert model.config.model_type == "llama" and str(model.dtype) == "torch.bfloat16"
 
 
+def test_a_damaged_safetensors_file_is_found_by_its_header(tmp_path, real_model_dir):
+    from pdserve.model_loader import cache_damage
+
+    assert cache_damage(real_model_dir) is None
+    tiny_model("llama").save_pretrained(tmp_path)
+    assert cache_damage(tmp_path) is None
+    path = tmp_path / "model.safetensors"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    assert cache_damage(tmp_path) == f"model.safetensors is {size - 100} bytes, its header says {size}"
+    with open(path, "r+b") as f:
+        f.truncate(1000)  # mid-header
+    assert cache_damage(tmp_path) == "model.safetensors: unreadable header (JSONDecodeError)"
+    path.unlink()
+    assert cache_damage(tmp_path) == "no .safetensors file"
+
+
 @pytest.mark.parametrize("spec, message", [("/nonexistent/model", "no config.json"), ("/nonexistent/x.gguf", "no GGUF file")])
 def test_bad_spec_names_the_problem(spec, message):
     with pytest.raises(ModelNotFoundError, match=message):
