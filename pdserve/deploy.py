@@ -191,7 +191,10 @@ def deploy(cfg: ClusterConfig, timeout_s: float = 900.0, fixed_resources: bool =
     while True:
         app = serve.status().applications.get(APP_NAME)
         status = app.status if app is not None else "NOT_STARTED"
-        if status == "RUNNING":
+        if status == "RUNNING":  # and, as serve.run does, until the proxies route to it
+            from ray.serve.context import _get_global_client
+
+            _get_global_client().wait_for_proxies_serving(wait_for_applications_running=True)
             return
         if status == "DEPLOY_FAILED":
             raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message}")
