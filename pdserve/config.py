@@ -225,6 +225,11 @@ class SecurityConfig:
         return SecurityConfig(one(self.api_key, "api_key"), one(self.kv_secret, "kv_secret"))
 
 
+def _int_in(value: Any, low: int, high: int | None = None) -> bool:
+    """Whether ``value`` is an integer (YAML's, not a bool) in [low, high] (no upper bound when None)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+
+
 def _check_autoscaling(name: str, autoscaling: Any) -> None:
     """Raises ConfigError unless ``autoscaling`` (a pool's autoscaling_config) is a mapping of
     Ray Serve's AutoscalingConfig keys that it accepts, in one line naming the problem."""
@@ -337,8 +342,7 @@ class ClusterConfig:
             raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16, not {self.model.dtype!r}")
         if self.model.backend not in ENGINE_BACKENDS:
             raise ConfigError(f"model.backend must be one of {', '.join(ENGINE_BACKENDS)}, not {self.model.backend!r}")
-        if self.model.max_model_len is not None and (not isinstance(self.model.max_model_len, int) or isinstance(self.model.max_model_len, bool)
-                                                      or self.model.max_model_len < 1):
+        if self.model.max_model_len is not None and not _int_in(self.model.max_model_len, 1):
             raise ConfigError(f"model.max_model_len must be a positive number of tokens or null (the model's context), not {self.model.max_model_len!r}")
         if self.model.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"model.device must be auto, cpu or cuda, not {self.model.device!r}")
@@ -359,7 +363,7 @@ class ClusterConfig:
             raise ConfigError(f"router.host must be an address to listen on, such as 127.0.0.1 or 0.0.0.0, not {self.router.host!r}")
         r = self.router
         for key, port in (("router.grpc_port", r.grpc_port), ("router.http_port", r.http_port), ("ray.metrics_export_port", self.ray.metrics_export_port)):
-            if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            if not _int_in(port, 1, 65535):
                 raise ConfigError(f"{key} must be a TCP port from 1 to 65535, not {port!r}")
         _check_actor_options("router", r.ray_actor_options)
         if r.grpc_port == r.http_port:
@@ -397,11 +401,11 @@ class ClusterConfig:
             for key in ("optimize", "enable_prefix_caching"):
                 if not isinstance(getattr(pool, key), bool):
                     raise ConfigError(f"{name}.{key} must be true or false, not {getattr(pool, key)!r}")
-            if pool.num_threads is not None and (not isinstance(pool.num_threads, int) or isinstance(pool.num_threads, bool) or pool.num_threads < 1):
+            if pool.num_threads is not None and not _int_in(pool.num_threads, 1):
                 raise ConfigError(f"{name}.num_threads must be null (num_cpus) or a positive integer, not {pool.num_threads!r}")
-            if not isinstance(pool.stream_interval, int) or isinstance(pool.stream_interval, bool) or not 1 <= pool.stream_interval <= 64:
+            if not _int_in(pool.stream_interval, 1, 64):
                 raise ConfigError(f"{name}.stream_interval must be an integer from 1 to 64 tokens, not {pool.stream_interval!r}")
-            if not isinstance(pool.engine_nice, int) or isinstance(pool.engine_nice, bool) or not -20 <= pool.engine_nice <= 19:
+            if not _int_in(pool.engine_nice, -20, 19):
                 raise ConfigError(f"{name}.engine_nice must be an integer from -20 to 19, not {pool.engine_nice!r}")
             _check_actor_options(name, pool.ray_actor_options)
             _check_autoscaling(name, pool.autoscaling_config)
@@ -409,7 +413,7 @@ class ClusterConfig:
                 raise ConfigError(f"{name}.weights must be one of {', '.join(WEIGHTS)}, not {pool.weights!r}")
             for key in ("kv_cache_tokens", "kv_cache_bytes"):
                 value = getattr(pool, key)
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                if value is not None and not _int_in(value, 1):
                     raise ConfigError(f"{name}.{key} must be a positive integer or null, not {value!r}")
             if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
                 raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")

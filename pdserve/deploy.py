@@ -144,6 +144,9 @@ def _running_http() -> tuple[str, int] | None:
         return None
 
 
+_ACTOR_KEY = {"CPU": "num_cpus", "GPU": "num_gpus"}  # ray_actor_options' key of a Ray resource
+
+
 def placement_problem(cfg: ClusterConfig, total: dict[str, float]) -> str | None:
     """Why the app's replicas cannot all be placed on a Ray cluster of fixed resources
     ``total`` (``ray.cluster_resources()``: "CPU", "GPU" and custom ones), or None: a replica
@@ -157,7 +160,7 @@ def placement_problem(cfg: ClusterConfig, total: dict[str, float]) -> str | None
         demand = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus", 0), **(actor.get("resources") or {})}
         for resource, amount in demand.items():
             if amount and amount > total.get(resource, 0):
-                key = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(resource, f"resources.{resource}")
+                key = _ACTOR_KEY.get(resource, f"resources.{resource}")
                 return (f"{name}: a replica needs {amount:g} {resource} (ray_actor_options.{key}), "
                         f"and this Ray cluster has {total.get(resource, 0):g} in all")
         for resource in together:
@@ -165,7 +168,7 @@ def placement_problem(cfg: ClusterConfig, total: dict[str, float]) -> str | None
     for resource, amount in together.items():
         if amount > total.get(resource, 0) + 1e-9:
             return (f"the deployments at their min_replicas need {amount:g} {resource} together, and this Ray cluster "
-                    f"has {total.get(resource, 0):g}: lower ray_actor_options.num_{resource.lower()}s or min_replicas")
+                    f"has {total.get(resource, 0):g}: lower ray_actor_options.{_ACTOR_KEY[resource]} or min_replicas")
     return None
 
 
