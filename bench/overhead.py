@@ -71,9 +71,11 @@ def engine_prefill_s(prompt: int, repeats: int = 3) -> float:
     from pdserve.config import ClusterConfig
     from pdserve.engine.sequence import Sequence
     from pdserve.sampling import SamplingParams
+    from kv_transfer.factory import prefill_pool_memory
     from pdserve.worker import build_engine
 
-    engine, _ = build_engine(ClusterConfig.from_dict({}), "prefill")
+    cfg = ClusterConfig.from_dict({})
+    engine, _ = build_engine(cfg, "prefill", kv_memory=lambda *a: prefill_pool_memory(cfg.kv_transfer, *a))  # as a prefill replica
     gen, times = torch.Generator().manual_seed(prompt), []
     for i in range(repeats + 1):
         seq = Sequence(f"p{i}", torch.randint(100, 40000, (prompt,), generator=gen).tolist(), prompt, SamplingParams(max_tokens=1))
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     for b, s in engine.items():
         print(f"engine alone, batch {b}: {s * 1e3:.1f} ms/step", flush=True)
     print(f"engine alone, prefill of {args.prompt} tokens: {prefill * 1e3:.0f} ms", flush=True)
-    cli = [sys.executable, "-m", "pdserve.cli"]
+    cli = [sys.executable, "-m", "pdserve_app.cli"]
     subprocess.run([*cli, "up", *([args.config] if args.config else []), "--redeploy"], check=True, cwd=ROOT, timeout=900)
     rows = []
     try:

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     order = [rng.randrange(args.tenants) for _ in range(args.requests)]
     prompts = [systems[t] + [rng.randrange(100, 40000) for _ in range(args.user_tokens)] for t in order]
     warm = [s + [rng.randrange(100, 40000) for _ in range(args.user_tokens)] for s in systems]
-    cli, rows = [sys.executable, "-m", "pdserve.cli"], []
+    cli, rows = [sys.executable, "-m", "pdserve_app.cli"], []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for routing in (False, True):

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ray import serve
 
     from pdserve.config import ClusterConfig
-    from pdserve.deploy import deploy
+    from pdserve_app.deploy import deploy
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=16.0, help="load time over all phases (capacity runs and set-up extra)")

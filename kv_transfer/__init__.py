@@ -6,8 +6,9 @@ Roles (after vLLM v1's split connector API):
 
 Backends (``kv_transfer.backend`` in cluster.yaml; see factory.py): ``grpc`` (any node to
 any node), ``shm`` (same node, from the prefill pool's shared memory into decode's
-blocks), ``auto`` (shm on the same node, else grpc) and ``loopback`` (in-process, tests).
-Every payload is checksummed, peers swap fingerprints first (fingerprint.py), and the
+blocks), ``cuda_ipc`` (same node, GPU pool to GPU pool), ``auto`` (the same-node one where
+the peer is on this node, else grpc) and ``loopback`` (in-process, tests). Every payload is
+checksummed, peers swap fingerprints first (``pdserve/kv_fingerprint.py``), and the
 prefill side holds KV under a lease until acknowledged (lease.py).
 """
 

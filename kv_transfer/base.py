@@ -16,15 +16,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
+from kv_transfer.lease import LeaseTable
 from pdserve.kv_layout import KVSpec
 from pdserve.messages import KVHandle  # noqa: F401 - the handle every backend passes: a message (pdserve/messages.py)
-
-if TYPE_CHECKING:
-    from kv_transfer.lease import LeaseTable
 
 
 class KVSource(ABC):
@@ -95,7 +93,7 @@ class KVSender(ABC):
     """Prefill side: holds each prompt's KV under a lease (``self.table``, a
     kv_transfer.lease.LeaseTable) until acknowledged or expired."""
 
-    table: "LeaseTable"
+    table: LeaseTable[KVSource]
 
     @abstractmethod
     def put(self, transfer_id: str, source: KVSource, lease_s: float) -> KVHandle:

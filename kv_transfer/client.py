@@ -19,7 +19,7 @@ from kv_transfer import wire
 from kv_transfer.security import channel as channel_to
 from kv_transfer.security import with_secret
 from kv_transfer.base import KVHandle, KVReceiver, KVSink
-from kv_transfer.fingerprint import KVFingerprint
+from pdserve.kv_fingerprint import KVFingerprint
 from kv_transfer.grpc_backend import FRAME_OPTIONS, MAX_MESSAGE_BYTES, receive_stream
 from kv_transfer.server import PREFILL_ENDED, fingerprint_to_proto
 from kv_transfer.cuda_ipc_backend import CudaIpcReader

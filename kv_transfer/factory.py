@@ -21,8 +21,12 @@ import socket
 import uuid
 
 from kv_transfer.base import KVReceiver, KVSender
-from kv_transfer.fingerprint import KVFingerprint
-from pdserve.config import KVTransferConfig
+from pdserve.engine import cpu as kernels
+from pdserve.config import ConfigError, KVTransferConfig
+from pdserve.engine.engine import EngineConfig
+from pdserve.engine.kv_cache import PoolMemory
+from pdserve.kv_fingerprint import KVFingerprint
+from pdserve.kv_layout import KVSpec
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +83,39 @@ def shm_pool_path(cfg: KVTransferConfig, pool_bytes: int) -> str | None:
     if free < pool_bytes * 1.1:
         problem = f"{SHM_DIR} has {free / 1e9:.1f} GB free, the KV pool needs {pool_bytes / 1e9:.1f} GB"
     elif not shm_backend.available():
-        problem = "no C compiler for the shm block copies"
+        problem = f"the shm block copies are unavailable ({kernels.problem('kv_blocks')})"
     if problem is None:
         return os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     if cfg.backend == "shm":
         raise ValueError(f"kv_transfer.backend shm: {problem}")
     log.warning("kv_transfer.backend auto: %s; KV goes over grpc only", problem)
     return None
+
+
+def prefill_pool_memory(cfg: KVTransferConfig, device: str, spec: KVSpec, config: EngineConfig) -> tuple[PoolMemory | None, str]:
+    """The memory a prefill worker's KV pool lives in, so that a decode worker on the same node
+    can read it (``pdserve.worker.build_engine``'s ``kv_memory`` hook): exportable GPU memory
+    for ``cuda_ipc``/``auto`` on a GPU with cupy, a /dev/shm file for ``shm``/``auto`` on a CPU,
+    else None (private memory). ``device``: "cpu" or "cuda". Returns (memory or None, where it
+    is, for the log). Raises ConfigError for ``cuda_ipc`` without cupy, or ``shm`` when
+    /dev/shm cannot hold the pool or the block-copy kernels do not build."""
+    if device == "cuda" and cfg.backend in ("cuda_ipc", "auto"):
+        from kv_transfer import cuda_ipc_backend
+
+        if cuda_ipc_backend.available():
+            return cuda_ipc_backend.CudaIpcPoolMemory(), "exportable GPU memory (cuda_ipc)"
+        if cfg.backend == "cuda_ipc":
+            raise ConfigError("kv_transfer.backend cuda_ipc needs cupy: pip install 'pdserve[gpu]'")
+    if device == "cpu":
+        try:
+            path = shm_pool_path(cfg, config.num_blocks * config.block_size * spec.bytes_per_token)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if path is not None:
+            from kv_transfer.shm_backend import ShmPoolMemory
+
+            return ShmPoolMemory(path, spec, config.num_blocks, config.block_size), path
+    return None, f"private {device} memory"
 
 
 def make_sender(cfg: KVTransferConfig, node_ip: str, *, fingerprint: KVFingerprint | None = None,

@@ -1,6 +1,6 @@
 """LeaseTable: the prefill side's store of prompt KV awaiting pickup.
 
-Each entry (a KVSource) is freed, through ``KVSource.release``, by ``release`` (decode acknowledged, or a cancel) or when
+Each entry (a ``kv_transfer.base.KVSource``, or anything with its ``release()`` and ``nbytes``) is freed, through its ``release``, by ``release`` (decode acknowledged, or a cancel) or when
 its lease runs out; a daemon thread reaps expired entries every ``reap_interval_s``.
 
 A release can overtake its hold: the router gives up on a request (its client left) while
@@ -16,20 +16,31 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
-from kv_transfer.base import KVSource
+
+class HeldKV(Protocol):
+    """What the table needs of a held entry (``kv_transfer.base.KVSource`` has both)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
+S = TypeVar("S", bound=HeldKV)
 
 log = logging.getLogger(__name__)
 MAX_EARLY_RELEASES = 10_000  # ids remembered at once; the oldest are forgotten first
 
 
 @dataclass
-class _Lease:
-    source: KVSource
+class _Lease(Generic[S]):
+    source: S
     expires_at: float  # time.monotonic() seconds
 
 
-class LeaseTable:
+class LeaseTable(Generic[S]):
     def __init__(self, reap_interval_s: float = 0.5, early_release_s: float = 120.0):
         self._leases: dict[str, _Lease] = {}
         self._released_early: dict[str, float] = {}  # transfer_id -> time.monotonic() until which a hold for it is freed at once
@@ -42,7 +53,7 @@ class LeaseTable:
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval_s,), daemon=True, name="kv-lease-reaper")
         self._reaper.start()
 
-    def hold(self, transfer_id: str, source: KVSource, lease_s: float) -> None:
+    def hold(self, transfer_id: str, source: S, lease_s: float) -> None:
         """Hold ``source`` for ``lease_s`` seconds; if the id was released before (see the
         module's docstring), free it now instead, counted as released. Raises KeyError if the
         id is already held."""
@@ -66,7 +77,7 @@ class LeaseTable:
             lease.expires_at = time.monotonic() + lease_s
             return True
 
-    def get(self, transfer_id: str) -> KVSource | None:
+    def get(self, transfer_id: str) -> S | None:
         """The held KV, or None if unknown, released or expired."""
         with self._lock:
             lease = self._leases.get(transfer_id)

@@ -12,7 +12,7 @@ import threading
 import time
 
 from kv_transfer.base import KVHandle, KVReceiver, KVSender, KVSink, KVSource
-from kv_transfer.fingerprint import KVFingerprint
+from pdserve.kv_fingerprint import KVFingerprint
 from kv_transfer.lease import LeaseTable
 from pdserve.errors import KVNotFoundError, KVTransferError
 

@@ -26,7 +26,7 @@ from kv_transfer import cuda_ipc_backend, shm_backend, wire
 from kv_transfer.security import SecretCheck, secure_port
 from kv_transfer.base import KVHandle, KVSender, KVSource
 from kv_transfer.faults import FaultInjector
-from kv_transfer.fingerprint import KVFingerprint
+from pdserve.kv_fingerprint import KVFingerprint
 from kv_transfer.grpc_backend import FRAME_OPTIONS, MAX_MESSAGE_BYTES, iter_chunks
 from kv_transfer.lease import LeaseTable
 from kv_transfer.progress import KVNotReadyError

@@ -85,7 +85,7 @@ def available() -> bool:
 def _lib():
     lib = kernels.load("kv_blocks")
     if lib is None:
-        raise KVTransferError("the shm KV backend needs a C compiler on this node (see pdserve/engine/cpu)")
+        raise KVTransferError(f"the shm KV backend's block copies are unavailable on this node: {kernels.problem('kv_blocks')}")
     return lib
 
 

@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = "smollm2"
     # "auto" = bfloat16 on a GPU or a CPU with bf16 instructions (AVX512-BF16, AMX), else
-    # float32, settled once where the app is built (pdserve.deploy.app_config, resolve_dtype)
+    # float32, settled once where the app is built (pdserve_app.deploy.app_config, resolve_dtype)
     dtype: str = "auto"
     # the engine's compute backend (pdserve/engine/backends): "auto" = cuda on a GPU, else cpu
     # (pdserve's C kernels) where they build, else torch (portable, slow); or one of those
@@ -207,7 +207,7 @@ class SecurityConfig:
 
     api_key: str | None = None  # client API: gRPC metadata "authorization: Bearer <key>", HTTP bearer token
     # KV channel between the pools: gRPC metadata on every KV call. null = a random secret
-    # made for each deployment (pdserve.deploy.app_config); "none" = an open channel (warned)
+    # made for each deployment (pdserve_app.deploy.app_config); "none" = an open channel (warned)
     kv_secret: str | None = None
 
     def resolved(self) -> "SecurityConfig":

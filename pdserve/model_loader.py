@@ -159,7 +159,7 @@ def resolve_dtype(cfg) -> str:
     pools run on GPUs or when this CPU has bf16 dot-product instructions (AVX512-BF16 or
     AMX-BF16), else "float32" (docs/engine.md: bf16 on AVX2 widens weights in registers).
 
-    Settled once where the app is built (``pdserve.deploy.app_config``), so every replica
+    Settled once where the app is built (``pdserve_app.deploy.app_config``), so every replica
     loads the same dtype: the KV fingerprint includes it, and a prefill and a decode pool
     that disagreed would refuse each other's KV. On a cluster whose nodes differ from the
     one that builds the app, set the dtype explicitly.

@@ -1,17 +1,22 @@
-"""Start-up shared by the prefill and decode workers: threads, model, engine."""
+"""Start-up shared by the prefill and decode workers: threads, model, engine, KV fingerprint.
+
+Where a worker's KV pool lives is the caller's choice (``build_engine``'s ``kv_memory``):
+the prefill worker puts it where kv_transfer's same-node backends can read it
+(``kv_transfer.factory.prefill_pool_memory``); this module imports no transport.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
-from kv_transfer.factory import shm_pool_path
-from kv_transfer.fingerprint import KVFingerprint
 from pdserve.config import ClusterConfig, ConfigError, PoolConfig
 from pdserve.engine.allocator import release_free_memory
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.kv_cache import PagedKVCache, PoolMemory
+from pdserve.kv_fingerprint import KVFingerprint
 from pdserve.kv_layout import KVSpec
 from pdserve.model_loader import gguf_source, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 
@@ -115,12 +120,16 @@ def worker_device(cfg: ClusterConfig) -> str:
     return "cuda"
 
 
-def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerprint]:
+KVMemoryHook = Callable[[str, KVSpec, EngineConfig], "tuple[PoolMemory | None, str]"]
+
+
+def build_engine(cfg: ClusterConfig, pool_name: str, kv_memory: KVMemoryHook | None = None) -> tuple[Engine, KVFingerprint]:
     """Set torch threads to this actor's CPUs, load the model on its device and build its Engine.
 
-    A prefill worker whose KV backend offers shm (on CPU) gets its KV pool in a
-    shared-memory file; one that offers cuda_ipc (on a GPU), a pool it can export.
-    Returns the engine and this worker's KV fingerprint. Raises ConfigError.
+    ``kv_memory(device, spec, engine_config)`` gives (the memory its KV pool lives in, where
+    that is for the log), e.g. ``kv_transfer.factory.prefill_pool_memory``; None keeps the
+    pool in private memory. Returns the engine and this worker's KV fingerprint. Raises
+    ConfigError (also from ``kv_memory``).
     """
     num_threads = getattr(cfg, pool_name).num_threads or assigned_num_cpus()
     torch.set_num_threads(num_threads)
@@ -133,25 +142,9 @@ def build_engine(cfg: ClusterConfig, pool_name: str) -> tuple[Engine, KVFingerpr
     spec = KVSpec.from_model_config(model.config, model.dtype)
     config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name, cfg.model.backend)
     fingerprint = KVFingerprint.of(model, tokenizer, cfg.model.path, config.block_size)
-    memory, where = None, f"private {device} memory"  # where the KV pool lives: one a same-node peer can map, for a sender
     if cfg.kv_transfer.backend == "cuda_ipc" and device != "cuda":
         raise ConfigError("kv_transfer.backend cuda_ipc needs both pools on GPUs (model.device, ray_actor_options.num_gpus)")
-    if pool_name == "prefill" and device == "cuda" and cfg.kv_transfer.backend in ("cuda_ipc", "auto"):
-        from kv_transfer import cuda_ipc_backend
-
-        if cuda_ipc_backend.available():
-            memory, where = cuda_ipc_backend.CudaIpcPoolMemory(), "exportable GPU memory (cuda_ipc)"
-        elif cfg.kv_transfer.backend == "cuda_ipc":
-            raise ConfigError("kv_transfer.backend cuda_ipc needs cupy: pip install 'pdserve[gpu]'")
-    if pool_name == "prefill" and device == "cpu":
-        try:
-            shm_path = shm_pool_path(cfg.kv_transfer, config.num_blocks * config.block_size * spec.bytes_per_token)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if shm_path is not None:
-            from kv_transfer.shm_backend import ShmPoolMemory
-
-            memory, where = ShmPoolMemory(shm_path, spec, config.num_blocks, config.block_size), shm_path
+    memory, where = kv_memory(device, spec, config) if kv_memory is not None else (None, f"private {device} memory")
     log.info("%s: %s (%s) on %s, %d torch threads, %s, KV pool in %s", pool_name, model_dir, dtype, device, num_threads, config, where)
     quantized = quantized_weights(cfg, pool_name, model.config, dtype) if device == "cpu" and cfg.model.backend in ("auto", "cpu") else None
     engine = Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_memory=memory, quantized=quantized)

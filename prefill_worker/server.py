@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any, AsyncIterator
 
 from kv_transfer import make_sender
-from kv_transfer.factory import node_id
+from kv_transfer.factory import node_id, prefill_pool_memory
 from kv_transfer.paged import PagedKVSource
 from kv_transfer.progress import LayerProgress, StreamedKVSource
 from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
@@ -46,7 +47,8 @@ class PrefillServer:
         self.pool_cfg = self.cfg.prefill
         self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
         self.replica = replica_name()  # which replica answered a stats call (prefix-routing tests)
-        self.engine, fingerprint = build_engine(self.cfg, "prefill")
+        # its KV pool where a same-node decode worker can read it (shm, cuda_ipc)
+        self.engine, fingerprint = build_engine(self.cfg, "prefill", kv_memory=functools.partial(prefill_pool_memory, self.cfg.kv_transfer))
         self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice)
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or kv_bind_host(), fingerprint=fingerprint,
                                      block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path,

@@ -62,7 +62,8 @@ class Frontend:
         if not any(content.strip() for _, content in messages):
             raise InvalidRequestError("prompt is empty: every message has empty content")
         chat = [{"role": role, "content": content} for role, content in messages]
-        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"])
+        # tokenize/return_dict spelled out: transformers 4.x returns a bare id list by default, 5.x a dict
+        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
     def check_token_ids(self, name: str, ids: list[int]) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]

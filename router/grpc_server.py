@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,12 +26,20 @@ from google.protobuf.message import DecodeError
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.rpc import generate_pb2_grpc
 from router.admission import metadata_value
+from pdserve.config import ClusterConfig
 from router.errors import grpc_status_for, retry_after_s
 
-if TYPE_CHECKING:
-    from router.server import Router
-
 log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    """What the front door calls: the router replica (``router.server.Router``)."""
+
+    cfg: ClusterConfig
+
+    def generate_rpc(self, request: pb.GenerateRequest, authorization: str | None) -> AsyncIterator[pb.GenerateResponse]: ...
+
+    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse: ...
 
 
 class _Malformed:
@@ -61,7 +69,7 @@ def _add_to_server(servicer: "_Generator", server: grpc.aio.Server) -> None:
 
 
 class _Generator(generate_pb2_grpc.GeneratorServicer):
-    def __init__(self, router: "Router"):
+    def __init__(self, router: Service):
         self.router = router
 
     async def Generate(self, request: pb.GenerateRequest | _Malformed, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -95,7 +103,7 @@ class GrpcFrontDoor:
     the replica's event loop.
     """
 
-    def __init__(self, router: "Router", host: str, port: int, max_request_bytes: int, keepalive_s: float,
+    def __init__(self, router: Service, host: str, port: int, max_request_bytes: int, keepalive_s: float,
                  tls: tuple[str, str, str | None] | None = None):
         self.server = grpc.aio.server(options=[
             ("grpc.so_reuseport", 1),

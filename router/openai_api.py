@@ -29,6 +29,7 @@ from pdserve.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown keys are refused by name (_Common.unsupported), not dropped
     include_usage: bool = False
 
 
@@ -81,6 +82,7 @@ class _Common(BaseModel):
         """Parameters set to something pdserve does not implement, and unknown ones."""
         bad = [name for name, neutral in (("n", 1), ("min_p", 0.0)) if getattr(self, name) not in (None, neutral)]
         bad += ["logit_bias"] if self.logit_bias else []
+        bad += [f"stream_options.{k}" for k in (self.stream_options.model_extra or {})] if self.stream_options else []
         extra = self.model_extra or {}
         return bad + sorted(k for k, v in extra.items() if k not in IGNORED_FIELDS and not _neutral(k, v, extra))
 
@@ -116,15 +118,24 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # unknown keys are refused by name (ChatMessageIn.unsupported)
     type: str
     text: str | None = None
 
 
 class ChatMessageIn(BaseModel):
+    # unknown fields (``name``, ``tool_calls``, ``tool_call_id``, ...) are refused by name, not
+    # dropped: none of them reaches the chat template here
     model_config = ConfigDict(extra="allow")
     role: str
     content: Union[str, list[ContentPart], None] = None
+
+    def unsupported(self, where: str) -> list[str]:
+        """This message's fields that are set and not implemented, as ``where.field``
+        (null or an empty list changes nothing)."""
+        bad = [f"{where}.{k}" for k, v in (self.model_extra or {}).items() if v not in (None, [])]
+        parts = self.content if isinstance(self.content, list) else []  # other types than text are refused by ``text()``
+        return bad + [f"{where}.content[{i}].{k}" for i, part in enumerate(parts) if part.type == "text" for k in (part.model_extra or {})]
 
     def text(self) -> str:
         """Raises InvalidRequestError for a non-text part (images, audio, files)."""
@@ -141,6 +152,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+    def unsupported(self) -> list[str]:
+        return super().unsupported() + [k for i, m in enumerate(self.messages) for k in m.unsupported(f"messages[{i}]")]
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:

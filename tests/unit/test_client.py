@@ -244,7 +244,7 @@ def test_leaving_the_loop_of_a_held_async_stream_ends_the_call(serve):
 def test_the_cli_refuses_out_of_range_values_in_one_line_and_says_when_its_model_flag_is_not_applied(serve):
     from typer.testing import CliRunner
 
-    from pdserve.cli import app
+    from pdserve_app.cli import app
 
     runner = CliRunner()
     out = runner.invoke(app, ["generate", "--endpoint", "127.0.0.1:1", "--max-tokens", "99999999999", "hi"])

@@ -97,7 +97,7 @@ def test_secrets_come_from_the_environment_when_asked(monkeypatch):
 def test_the_kv_secret_is_made_for_each_deployment_unless_turned_off(caplog):
     """null: every deployment gets a random secret of its own, which no log shows; "none" opts
     out, with a warning; a literal is kept."""
-    from pdserve.deploy import app_config
+    from pdserve_app.deploy import app_config
 
     caplog.set_level("INFO")
     made = [app_config(ClusterConfig())["security"]["kv_secret"] for _ in range(2)]
@@ -142,7 +142,7 @@ def test_auto_dtype_is_settled_once_by_where_the_pools_run(monkeypatch, raw, cpu
 
 
 def test_the_app_is_built_with_the_settled_dtype():
-    from pdserve.deploy import app_config
+    from pdserve_app.deploy import app_config
     from pdserve.engine.cpu import has_bf16_instructions
 
     assert app_config(ClusterConfig())["model"]["dtype"] == ("bfloat16" if has_bf16_instructions() else "float32")
@@ -198,7 +198,7 @@ def test_a_role_key_is_refused_in_pool_defaults_and_ignored_with_a_warning_in_an
 
 
 def test_replicas_that_a_fixed_ray_cluster_cannot_place_are_named():
-    from pdserve.deploy import placement_problem
+    from pdserve_app.deploy import placement_problem
 
     two_cpus = {"CPU": 2.0, "memory": 1e10}
     assert placement_problem(ClusterConfig(), two_cpus) is None  # 1 + 1 CPUs, the router none

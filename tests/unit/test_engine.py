@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import reference_generate, tiny_model
+from conftest import reference_generate, require_kernels, tiny_model
 from pdserve.engine import allocator
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.engine import Engine, EngineConfig
@@ -215,22 +215,46 @@ def test_submit_and_abort_never_wait_for_a_running_step():
     assert_all_blocks_free(engine)
 
 
-def test_a_hung_step_fails_the_health_check_and_its_requests_and_a_live_loop_passes_it():
+def test_a_hung_step_fails_the_health_check_and_its_requests_and_a_live_loop_passes_it(monkeypatch):
+    """On a fake clock (loop.py's ``time.monotonic``; its waits poll every 10 ms of real time):
+    the step is stuck exactly max_step_s, then past it, with no wall-clock bound asserted."""
+    import types
+
+    from pdserve.engine import loop as loop_module
     from pdserve.errors import WorkerStalledError
 
+    HANG_DEADLINE_S = 60.0  # real seconds: only catches a hang, never a pass/fail bound
+    now = [1000.0]  # the fake clock the loop reads
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(loop_module, "STALL_POLL_S", 0.01)
     engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=16, block_size=4), EOS, 512)
     loop = EngineLoop(engine, max_step_s=1.0)
     loop.check_health()  # idle: the loop comes round every 0.5 s at most
-    step, release = engine.step, threading.Event()
-    engine.step = lambda: (release.wait(10), step())[1]  # the next forward hangs until released
+    step, entered, release = engine.step, threading.Event(), threading.Event()
+    engine.step = lambda: (entered.set(), release.wait(HANG_DEADLINE_S), step())[-1]  # the next forward hangs until released
+    polls = []  # the fake time of each stall check
+    check = loop.raise_if_stalled
+    loop.raise_if_stalled = lambda: (polls.append(now[0]), check())[-1]
 
     async def hang():
         seq = Sequence("h", random_prompts([5])[0], 5, SamplingParams(max_tokens=2, ignore_eos=True))
         queue = loop.submit(seq)
-        start = time.monotonic()
-        with pytest.raises(WorkerStalledError, match="engine step stuck"):  # its waiting request is told at once
-            await loop.next_output(queue, timeout_s=30)
-        assert 1.0 < time.monotonic() - start < 3.5
+        assert await asyncio.to_thread(entered.wait, HANG_DEADLINE_S)  # the step began at fake 1000.0
+        now[0] = 1001.0  # stuck exactly max_step_s: not yet stalled
+        polls.clear()
+        waiting = asyncio.create_task(loop.next_output(queue, timeout_s=30))
+        for _ in range(int(HANG_DEADLINE_S / 0.01)):
+            if len(polls) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert len(polls) >= 3 and not waiting.done()  # three stall checks passed while waiting
+        assert loop.stalled_s() == 1.0
+        loop.check_health()
+        polls.clear()
+        now[0] = 1002.0  # past max_step_s: its waiting request is told at its next check
+        with pytest.raises(WorkerStalledError, match=r"^engine step stuck for 2 s \(over max_step_s 1 s\)$"):
+            await asyncio.wait_for(waiting, HANG_DEADLINE_S)
+        assert polls == [1002.0]
         with pytest.raises(WorkerStalledError):  # and a new one is refused
             loop.submit(Sequence("new", random_prompts([5])[0], 5, SamplingParams(max_tokens=2)))
         with pytest.raises(RuntimeError, match="engine step stuck"):  # Ray Serve's health check fails
@@ -239,10 +263,16 @@ def test_a_hung_step_fails_the_health_check_and_its_requests_and_a_live_loop_pas
 
     asyncio.run(hang())
     release.set()
-    time.sleep(0.3)
+    for _ in range(int(HANG_DEADLINE_S / 0.01)):  # the released step returns; later steps start at fake 1002.0
+        if loop.stalled_s() == 0.0:
+            break
+        time.sleep(0.01)
     loop.check_health()
     loop.close()
-    time.sleep(0.6)
+    for _ in range(int(HANG_DEADLINE_S / 0.01)):
+        if not loop.is_alive():
+            break
+        time.sleep(0.01)
     with pytest.raises(RuntimeError, match="engine thread has stopped"):
         loop.check_health()
     assert_all_blocks_free(engine)
@@ -294,8 +324,7 @@ def test_the_fault_injection_file_hangs_exactly_one_loop(tmp_path, monkeypatch):
 def _kernels_or_skip():
     from pdserve.engine.cpu import ops
 
-    if not all(ops.available(k) for k in ops.KERNELS):
-        pytest.skip("no C compiler here: the engine runs the torch backend")
+    require_kernels(*ops.KERNELS)
     return ops
 
 

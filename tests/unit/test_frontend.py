@@ -21,7 +21,7 @@ def frontend(real_model_dir):
 def test_text_and_chat_prompts_become_the_tokenizers_ids(frontend):
     assert frontend.text_ids("Hello there") == list(frontend.tokenizer("Hello there").input_ids)
     chat = frontend.chat_ids([("user", "Hi")])
-    assert chat == list(frontend.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)["input_ids"])
+    assert chat == list(frontend.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
 
 @pytest.mark.parametrize("call, message", [

@@ -144,3 +144,26 @@ def test_stream_options_without_stream_are_refused():
     assert parse(oa.CompletionRequest, prompt="Hi", stream=True, stream_options={"include_usage": True}).stream_options.include_usage
     assert parse(oa.CompletionRequest, prompt="Hi", stream=False, stream_options=None).stream_options is None
     assert oa.error_body("stream_options is only allowed when stream is true", "invalid_request_error", 400)["error"]["param"] == "stream_options"
+
+
+def test_unknown_stream_options_keys_are_refused_by_name():
+    with pytest.raises(InvalidRequestError, match=r"unsupported parameter.*stream_options\.continuous_usage_stats"):
+        parse(oa.CompletionRequest, prompt="Hi", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert parse(oa.CompletionRequest, prompt="Hi", stream=True, stream_options={"include_usage": True}).stream_options.include_usage
+    body = oa.error_body("unsupported parameter(s) for pdserve: stream_options.continuous_usage_stats", "invalid_request_error", 400)
+    assert body["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize("field, value", [("name", "alice"), ("tool_calls", [{"id": "c1", "type": "function"}]), ("tool_call_id", "c1")])
+def test_unknown_message_fields_are_refused_by_name(field, value):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", field: value}]
+    with pytest.raises(InvalidRequestError, match=rf"unsupported parameter.*messages\[1\]\.{field}"):
+        parse(oa.ChatCompletionRequest, messages=messages)
+    messages[1][field] = None  # null changes nothing
+    assert parse(oa.ChatCompletionRequest, messages=messages).messages[1].text() == "Hi"
+
+
+def test_unknown_content_part_keys_are_refused_by_name():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[0\]\.cache_control"):
+        parse(oa.ChatCompletionRequest, messages=messages)

@@ -9,11 +9,12 @@ needle's logprobs alone, in a batch and chunked, dense or quantized).
 
 import logging
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
-from conftest import reference_generate
+from conftest import reference_generate, require_kernels
 from pdserve.config import ClusterConfig, ConfigError
 from pdserve.engine.cpu import ops
 from pdserve.engine.engine import Engine, EngineConfig
@@ -24,12 +25,9 @@ from pdserve.sampling import SamplingParams
 from pdserve.worker import eos_token_ids, quantized_weights
 from test_engine import assert_all_blocks_free, generate_all, run_to_completion
 
-gguf = pytest.importorskip("gguf")
-
 
 def _kernels_or_skip():
-    if not ops.available("linear"):
-        pytest.skip("no C compiler here: the engine runs the torch backend")
+    require_kernels("linear")
 
 
 @pytest.fixture(scope="module")

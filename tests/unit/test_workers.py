@@ -6,16 +6,17 @@ import asyncio
 
 import pytest
 
-from conftest import reference_generate
+from conftest import NO_COMPILER, reference_generate
 from decode_worker.server import DecodeServer, merge_chunks
 from kv_transfer import shm_backend
+from pdserve.engine import cpu
 from pdserve.errors import KVIncompatibleError, KVTransferError
 from pdserve.messages import LayerwiseKV, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk, WithKV
 from pdserve.model_loader import load_model, load_tokenizer
 from pdserve.sampling import SamplingParams
 from prefill_worker.server import PrefillServer
 
-BACKENDS = ["grpc", pytest.param("shm", marks=pytest.mark.skipif(not shm_backend.available(), reason="no C compiler")), "auto"]
+BACKENDS = ["grpc", pytest.param("shm", marks=pytest.mark.skipif(cpu.compiler() is None, reason=NO_COMPILER)), "auto"]
 POOL = {"kv_cache_tokens": 2048, "block_size": 16}
 
 
@@ -119,35 +120,50 @@ def test_tokens_go_to_the_router_stream_interval_at_a_time(workers, reference):
     asyncio.run(settle(prefill, decode))
 
 
-def test_a_full_decode_pool_refuses_within_max_kv_wait_s_and_names_why(workers, reference):
+def test_a_full_decode_pool_refuses_within_max_kv_wait_s_and_names_why(workers, reference, monkeypatch):
     """decode.max_kv_wait_s (1 s): a prompt's KV that finds no room is refused with
-    CapacityError (429 / RESOURCE_EXHAUSTED) soon, not held until the KV deadline; the
-    message says how full the pool is. Nothing leaks."""
+    CapacityError (429 / RESOURCE_EXHAUSTED) soon, not held until the KV deadline
+    (kv_transfer.timeout_s, 2 s here); the message says how full the pool is. Nothing leaks.
+    On a fake clock (decode_worker/server.py's ``time.monotonic``) that each reserve attempt
+    moves 0.25 s: refused after the 5th attempt, once the clock is past 1 s (under the KV
+    deadline it would be the 9th)."""
     import time
+    import types
 
+    from decode_worker import server
     from pdserve.errors import CapacityError
 
     backend, prefill, decode = workers
     prompt, _ = reference
     params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert decode.pool_cfg.max_kv_wait_s == 1.0 and decode.cfg.kv_transfer.timeout_s == 2.0
     taken = decode.engine.reserve(decode.engine.config.num_blocks * decode.engine.config.block_size)  # the whole pool
+    now, attempts = [1000.0], []
+    monkeypatch.setattr(server, "time", types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
+    reserve = decode.engine.reserve
+
+    def attempt(num_tokens):
+        attempts.append(now[0])
+        now[0] += 0.25
+        return reserve(num_tokens)
+
+    monkeypatch.setattr(decode.engine, "reserve", attempt)
 
     async def go():
         first = await prefill.prefill(PrefillRequest(f"full-{backend}", prompt, params))
-        start = time.monotonic()
         try:
             with pytest.raises(CapacityError, match=r"decode KV pool has no room for \d+ tokens after 1 s \(decode.max_kv_wait_s; 0 of \d+ blocks free"):
                 async for _ in decode.generate(WithKV(f"full-{backend}", prompt, params, first.first_token, first.kv)):
                     pass
-            return time.monotonic() - start
         finally:
             await prefill.release(first.kv.transfer_id)
 
     try:
-        took = asyncio.run(go())
+        asyncio.run(go())
     finally:
+        monkeypatch.undo()
         decode.engine.free_blocks(taken)
-    assert took < 3.0
+    assert attempts == [1000.0, 1000.25, 1000.5, 1000.75, 1001.0]  # until past the deadline of 1000.0 + max_kv_wait_s
     p, d = asyncio.run(settle(prefill, decode))
     assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]
 

@@ -8,9 +8,11 @@ step at once. Attention:
 - decode steps: every sequence's blocks gathered into one padded batch and one masked SDPA
   call. Shapes are fixed by (batch, blocks), so ``cuda_graphs.DecodeGraphs`` can record it.
 
-FlashInfer's paged kernels would replace both calls where installed; this build has none to
-test against, so it is not wired (docs/engine.md). Batch invariance is a CPU rule: GPU sums
-follow cuBLAS and SDPA.
+FlashInfer is not wired: no paged-attention library is used, both calls are torch SDPA.
+Batch invariance is a CPU rule: GPU sums follow cuBLAS and SDPA.
+
+The unit tests run this code on the CPU device (backends.TEST_CUDA_ON_CPU_ENV,
+tests/unit/test_cuda_backend_cpu.py): greedy ids equal model.generate's in float32 there.
 """
 
 from __future__ import annotations

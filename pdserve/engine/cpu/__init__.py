@@ -18,7 +18,7 @@ Each is built with the system C compiler (``cc -O3 -march=native -ffp-contract=o
 keyed by a hash of the source, the headers here, the compiler and this CPU's flags, under a
 file lock so concurrent workers build it once. No torch headers are involved: a build takes
 about a second. Where no compiler is found or the build fails, ``load()`` returns None and
-callers fall back (a warning says why).
+callers fall back (a warning says why; ``problem()`` gives it, with the compiler's message).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
     },
 }
 _libs: dict[str, ctypes.CDLL | None] = {}
+_problems: dict[str, str] = {}  # name -> why it did not load
+_load_lock = threading.RLock()
 
 
 def _cpu_flags() -> str:
@@ -100,25 +103,45 @@ def _build(compiler: str, name: str) -> Path:
     return target
 
 
+def compiler() -> str | None:
+    """The C compiler kernels are built with: ``$CC``, else ``cc`` or ``gcc`` on the PATH; None if none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def problem(name: str) -> str | None:
+    """Why library ``name`` did not load (no compiler, or the build's error with the compiler's
+    message), None if it loaded. Tries the build first where it has not been tried."""
+    load(name)
+    return _problems.get(name)
+
+
 def load(name: str) -> ctypes.CDLL | None:
-    """The compiled library ``name`` (a .c file here), or None where it cannot be built (logged once)."""
-    if name in _libs:
+    """The compiled library ``name`` (a .c file here), or None where it cannot be built (logged
+    once; ``problem(name)`` says why)."""
+    if name in _libs:  # set only once loading ended (the per-call path: no lock)
         return _libs[name]
-    _libs[name] = None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    with _load_lock:  # one build per process: a thread that comes during it waits for its result
+        if name not in _libs:
+            _libs[name] = _load(name)
+    return _libs[name]
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    cc = compiler()
+    if cc is None:
+        _problems[name] = "no C compiler found (cc, gcc or $CC)"
         logger.warning("pdserve: no C compiler found; %s kernels are unavailable, using the slower fallback", name)
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler, name)))
+        lib = ctypes.CDLL(str(_build(cc, name)))
     except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("pdserve: building %s.c failed (%s %s); using the slower fallback", name, exc, detail.decode(errors="replace")[:500])
+        detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")
+        _problems[name] = f"building {name}.c with {cc} failed: {exc}\n{detail}"
+        logger.warning("pdserve: building %s.c failed (%s %s); using the slower fallback", name, exc, detail[:500])
         return None
     for fn_name, (restype, argtypes) in _SIGNATURES[name].items():
         fn = getattr(lib, fn_name)
         fn.restype, fn.argtypes = restype, argtypes
-    _libs[name] = lib
     return lib
 
 

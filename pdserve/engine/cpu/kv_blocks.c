@@ -9,7 +9,7 @@
  * word changes the result; lanes and length are mixed at the end (splitmix64 finalizer).
  * Not cryptographic: it guards against corrupt, stale or misplaced KV, not attackers.
  *
- * Built with cc -O3 -march=native by kernels/__init__.py.
+ * Built with cc -O3 -march=native by pdserve/engine/cpu/__init__.py.
  */
 #include <stdint.h>
 #include <string.h>

@@ -18,7 +18,7 @@ from pdserve.engine import cpu
 logger = logging.getLogger(__name__)
 
 KERNELS = ("linear", "pointwise", "attention")
-_ok: dict[str, bool] = {}
+_problems: dict[str, str | None] = {}  # kernel -> why it is unavailable (None: available)
 
 
 def _lib(name: str):
@@ -266,14 +266,21 @@ def _check_one(name: str, dtype: torch.dtype) -> None:
 def available(name: str) -> bool:
     """Whether kernel ``name`` (one of KERNELS) built here and passed its self-check in both
     dtypes (checked once per process; a failure is logged and disables it)."""
-    if name not in _ok:
-        ok = _lib(name) is not None
-        if ok:
+    return problem(name) is None
+
+
+def problem(name: str) -> str | None:
+    """Why kernel ``name`` (one of KERNELS) is unavailable: its build's problem
+    (``cpu.problem``, with the compiler's message) or its self-check's failure; None if it
+    is available."""
+    if name not in _problems:
+        why = cpu.problem(name) if _lib(name) is None else None
+        if why is None:
             try:
                 for dtype in (torch.float32, torch.bfloat16):
                     _check_one(name, dtype)
             except (AssertionError, ValueError, OSError) as e:
                 logger.warning("pdserve: the %s kernel failed its self-check against torch (%s); using torch for it", name, e)
-                ok = False
-        _ok[name] = ok
-    return _ok[name]
+                why = f"the {name} kernel failed its self-check against torch: {e}"
+        _problems[name] = why
+    return _problems[name]

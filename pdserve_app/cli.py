@@ -86,7 +86,7 @@ def _replica_failure() -> str | None:
     try:
         from ray import serve
 
-        from pdserve.deploy import APP_NAME
+        from pdserve_app.deploy import APP_NAME
 
         app = serve.status().applications.get(APP_NAME)
         failed = {name: d.message for name, d in (app.deployments.items() if app else ()) if d.status not in ("HEALTHY", "UPDATING", "UPSCALING", "DOWNSCALING")}
@@ -97,7 +97,7 @@ def _replica_failure() -> str | None:
 
 
 def _up(config: Path | None, address: str | None, model: str | None = None, redeploy: bool = False, timeout_s: float = 900.0) -> str:
-    from pdserve.deploy import DeployStuckError, deploy
+    from pdserve_app.deploy import DeployStuckError, deploy
     from pdserve.model_loader import resolve_model_dir
 
     from pdserve.config import ConfigError
@@ -145,7 +145,7 @@ def _up(config: Path | None, address: str | None, model: str | None = None, rede
     if started_ray:  # a head `up` started has no autoscaler: what cannot be placed now never will be
         import ray
 
-        from pdserve.deploy import placement_problem
+        from pdserve_app.deploy import placement_problem
 
         problem = placement_problem(cfg, ray.cluster_resources())
         if problem:
@@ -327,7 +327,7 @@ def _render_config(config: Optional[Path]) -> ClusterConfig:
 @render_app.command("serve")
 def render_serve(config: Optional[Path] = typer.Argument(None, help="cluster.yaml; default: the embedded default")):
     """A Ray Serve config for `serve deploy` (pools pinned to their node groups' resources)."""
-    from pdserve.render import dump, serve_config
+    from pdserve_app.render import dump, serve_config
 
     typer.echo(dump(serve_config(_render_config(config))), nl=False)
 
@@ -341,7 +341,7 @@ def render_kuberay(
     """A KubeRay RayService manifest: head group + one worker group per pool."""
     import ray
 
-    from pdserve.render import dump, kuberay
+    from pdserve_app.render import dump, kuberay
 
     typer.echo(dump(kuberay(_render_config(config), image, ray.__version__, secret_name)), nl=False)
 

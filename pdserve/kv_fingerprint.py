@@ -1,7 +1,8 @@
 """KVFingerprint: what must match for KV made by one worker to be valid in another.
 
-Prefill and decode exchange fingerprints when a decode worker first reaches a prefill
-worker (the ``Handshake`` RPC, kv.proto). Decode refuses KV from a worker whose
+Workers compute theirs at start (``pdserve.worker.build_engine``); prefill and decode
+exchange them when a decode worker first reaches a prefill worker (kv_transfer's
+``Handshake`` RPC, kv.proto). Decode refuses KV from a worker whose
 fingerprint differs, with an error naming the first field that differs: the same
 shapes with other weights, another tokenizer or another block size would give a
 wrong answer with a success status.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.errors import KVIncompatibleError
+from pdserve.kv_layout import KVSpec
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,6 @@ class KVFingerprint:
     @classmethod
     def of(cls, model, tokenizer, model_id: str, block_size: int) -> "KVFingerprint":
         """Hashes the weights (about 0.5 s per GB here) and the tokenizer."""
-        from pdserve.kv_layout import KVSpec
-
         spec = KVSpec.from_model_config(model.config, model.dtype)
         return cls(
             model_id=model_id,

@@ -2,7 +2,7 @@
 config for ``serve deploy``) and ``pdserve render kuberay`` (a KubeRay ``RayService``).
 
 Both run the same application as ``pdserve up``: Ray Serve imports
-``pdserve.deploy:app_builder`` with the cluster.yaml mapping as its ``args``. In the
+``pdserve_app.deploy:app_builder`` with the cluster.yaml mapping as its ``args``. In the
 KubeRay manifest each pool gets its own worker group, whose pods advertise the custom
 resources the pool asks for in ``ray_actor_options.resources`` (one
 ``pdserve_<pool>_node`` resource when it asks for none, pinned in the rendered config too),
@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from pdserve.config import ClusterConfig
-from pdserve.deploy import APP_NAME, http_tls
+from pdserve_app.deploy import APP_NAME, http_tls
 
 
 def _pools(cfg: ClusterConfig) -> list[str]:
@@ -48,7 +48,7 @@ def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
     return {
         "proxy_location": cfg.router.proxy_location,
         "http_options": {"host": "0.0.0.0", "port": cfg.router.http_port, **http_tls(cfg)},
-        "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "pdserve.deploy:app_builder",
+        "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "pdserve_app.deploy:app_builder",
                           "args": {"config": pinned(cfg)}}],
     }
 
