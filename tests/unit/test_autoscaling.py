@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve import autoscaling
 from pdserve.autoscaling import BusyMeter, LatencyWindow, PolicyConfigError, PolicySettings, PoolAutoscaler, desired_replicas, ray_policy, replica_stats
 
 
@@ -19,7 +18,9 @@ def settings(pool: str, **raw) -> PolicySettings:
 def clock(monkeypatch) -> SimpleNamespace:
     """autoscaling.py's ``time.monotonic`` on a fake clock: set ``clock.now`` to move it."""
     clock = SimpleNamespace(now=1000.0)
-    monkeypatch.setattr(autoscaling, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    # the globals the classes under test read (in a full run ``pdserve.autoscaling`` may be
+    # another module object than the one these classes were imported from)
+    monkeypatch.setitem(PoolAutoscaler.__call__.__globals__, "time", SimpleNamespace(monotonic=lambda: clock.now))
     return clock
 
 
@@ -101,10 +102,10 @@ def test_a_tick_without_a_report_repeats_the_last_decision_for_a_while(clock):
     for at, metrics in ((1000.0, busy), (1000.125, {}), (1000.25, busy), (1000.5, {})):
         clock.now = at
         want, state = policy(SimpleNamespace(current_num_replicas=1, target_num_replicas=1, policy_state=state, aggregated_metrics=metrics))
-        assert want == 2
+        assert want == 2, (at, state)
     clock.now = 1000.625  # silent for longer than report_hold_s: back to "no change"
     want, state = policy(SimpleNamespace(current_num_replicas=1, target_num_replicas=1, policy_state=state, aggregated_metrics={}))
-    assert want == 1
+    assert want == 1, (state, policy.settings, PoolAutoscaler.__call__.__globals__["time"])
 
 
 def test_a_tick_where_only_an_idle_replica_reported_does_not_shrink_the_pool():
