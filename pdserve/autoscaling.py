@@ -31,7 +31,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("ray.serve")
 POLICY_FUNCTION = "pdserve.autoscaling:PoolAutoscaler"
@@ -143,11 +143,14 @@ class PoolAutoscaler:
     def __init__(self, pool: str, **settings: Any):
         self.pool = pool
         self.settings = PolicySettings.parse(pool, settings)
+        # seconds, monotonic; an attribute, not the module's ``time``: Ray may cloudpickle this
+        # class by value, and the methods it puts back read a copy of the module's globals
+        self.clock = time.monotonic
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         per_replica = ctx.aggregated_metrics or {}
         metrics = {name: list(values.values()) for name, values in per_replica.items()}
-        state, now = dict(ctx.policy_state or {}), time.monotonic()
+        state, now = dict(ctx.policy_state or {}), self.clock()
         last_wanted = state.get("pdserve_last_wanted", ctx.target_num_replicas)
         if num_reporting(self.settings, metrics):
             # sized against the target (replicas starting count), so a pool does not shrink while it grows
@@ -177,18 +180,19 @@ def ray_policy(pool: str, raw: dict[str, Any] | None) -> dict[str, Any] | None:
 class LatencyWindow:
     """Recent latencies (seconds) of one replica, for the ``ttft``/``tpot`` signals. Thread-safe."""
 
-    def __init__(self, window_s: float = 10.0, max_samples: int = 4096):
+    def __init__(self, window_s: float = 10.0, max_samples: int = 4096, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # seconds, monotonic
         self.window_s = window_s
         self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_samples)
         self._lock = threading.Lock()
 
     def observe(self, seconds: float) -> None:
         with self._lock:
-            self._samples.append((time.monotonic(), seconds))
+            self._samples.append((self.clock(), seconds))
 
     def p90(self) -> float:
         """p90 over the last ``window_s`` seconds; 0.0 with no samples."""
-        since = time.monotonic() - self.window_s
+        since = self.clock() - self.window_s
         with self._lock:
             values = sorted(v for t, v in self._samples if t >= since)
         return values[min(len(values) - 1, int(0.9 * len(values)))] if values else 0.0
@@ -197,11 +201,12 @@ class LatencyWindow:
 class BusyMeter:
     """Fraction of wall time the engine spent in forward passes since the previous reading."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # seconds, monotonic
         self._last: tuple[float, float] | None = None  # (monotonic time, cumulative busy seconds)
 
     def fraction(self, busy_s: float) -> float:
-        now = time.monotonic()
+        now = self.clock()
         last, self._last = self._last, (now, busy_s)
         if last is None or now <= last[0]:
             return 0.0

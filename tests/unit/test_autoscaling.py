@@ -15,12 +15,12 @@ def settings(pool: str, **raw) -> PolicySettings:
 
 
 @pytest.fixture
-def clock(monkeypatch) -> SimpleNamespace:
-    """autoscaling.py's ``time.monotonic`` on a fake clock: set ``clock.now`` to move it."""
+def clock() -> SimpleNamespace:
+    """A fake clock for the classes' ``clock``: set ``clock.now`` to move it. (Not a patch of
+    the module's ``time``: after the cluster tests, Ray has cloudpickled PoolAutoscaler in
+    this process, and its methods read a copy of the module's globals.)"""
     clock = SimpleNamespace(now=1000.0)
-    # the globals the classes under test read (in a full run ``pdserve.autoscaling`` may be
-    # another module object than the one these classes were imported from)
-    monkeypatch.setitem(PoolAutoscaler.__call__.__globals__, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    clock.read = lambda: clock.now
     return clock
 
 
@@ -96,6 +96,7 @@ def test_a_tick_without_a_report_repeats_the_last_decision_for_a_while(clock):
     """A saturated replica reports every other tick; answering "no change" on the silent
     ticks would restart Ray Serve's upscale delay and the pool would never grow."""
     policy = PoolAutoscaler("prefill", target_queued_tokens=512, report_hold_s=0.25)
+    policy.clock = clock.read
     busy = {"num_uncomputed_tokens": {"r1": 3000.0}, "busy_fraction": {"r1": 1.0}}
     state = None
     # silent ticks 0.125 s and exactly report_hold_s after the last report still hold the decision
@@ -140,7 +141,7 @@ def test_replica_stats_from_engine_stats():
 
 
 def test_busy_meter_reads_the_busy_share_of_the_time_between_readings(clock):
-    meter = BusyMeter()
+    meter = BusyMeter(clock.read)
     assert meter.fraction(10.0) == 0.0  # first reading: no interval yet
     clock.now += 0.5
     assert meter.fraction(10.125) == 0.25  # 0.125 busy seconds of 0.5
