@@ -8,8 +8,9 @@ backend this node offers (``shm``, then ``grpc``), and in each phase:
 2. sends requests at ``--load`` x that rate (Poisson arrivals, open loop) for the phase's
    share of ``--minutes``: gRPC and HTTP, streamed or not, greedy, checked against reference
    answers or their length, a share cancelled at every stage (bench/soak_load.py);
-3. meanwhile kills one prefill replica (at 20% of the phase) and one decode replica (at
-   45%), and arms each KV fault of ``kv_transfer/faults.py`` once (timeout, break, corrupt,
+3. meanwhile kills one prefill replica (at 20% of the phase), one decode replica (at 45%)
+   and the router replica (at 65%: the pools must stop its requests, pdserve/callers.py;
+   its clients get an error), and arms each KV fault of ``kv_transfer/faults.py`` once (timeout, break, corrupt,
    expire at 30-85%) in the prefill replicas, through ``PDSERVE_FAULT_KV_DIR``;
 4. samples every 2 s whether a request runs on after its client left (below);
 5. when the last client is done, waits 5 s and checks every replica: requests running or
@@ -48,7 +49,7 @@ from bench.soak_load import Caller, Outcome, Spec, draw
 ROOT = Path(__file__).resolve().parents[1]
 GRPC_PORT, HTTP_PORT = 9400, 8400
 FAULTS = (("timeout", 0.30), ("break", 0.55), ("corrupt", 0.70), ("expire", 0.85))
-KILLS = (("prefill", 0.20), ("decode", 0.45))
+KILLS = (("prefill", 0.20), ("decode", 0.45), ("router", 0.65))
 SETTLE_S, SAMPLE_S = 5.0, 2.0
 RSS_WARMUP = 0.6  # RSS "at the start" is taken this far into the load: after both kills and the load they shift
 
@@ -150,9 +151,9 @@ async def sample_leftovers(tally: Tally, stop: asyncio.Event) -> int:
     return worst
 
 
-async def faults(fault_dir: str, seconds: float, start: float, log: list[str]) -> None:
-    """Kill a replica of each pool and arm each KV fault at their share of the phase."""
-    plan = sorted([(at, "kill", pool) for pool, at in KILLS] + [(at, "arm", kind) for kind, at in FAULTS])
+async def faults(fault_dir: str, seconds: float, start: float, log: list[str], kills=KILLS) -> None:
+    """Kill a replica of each deployment in ``kills`` and arm each KV fault at their share of the phase."""
+    plan = sorted([(at, "kill", pool) for pool, at in kills] + [(at, "arm", kind) for kind, at in FAULTS])
     for at, action, what in plan:
         await asyncio.sleep(max(0.0, start + at * seconds - time.monotonic()))
         if action == "kill":
@@ -185,7 +186,7 @@ def final_state() -> dict:
 
 async def run_phase(backend: str, fault_dir: str, seconds: float, load: float, refs: list | None, seed: int,
                     concurrency: int = 6, capacity_s: float = 60.0, cancel_share: float = 0.2,
-                    deadline_s: float = 120.0, ports: tuple[int, int] = (GRPC_PORT, HTTP_PORT)) -> tuple[dict, list]:
+                    deadline_s: float = 120.0, ports: tuple[int, int] = (GRPC_PORT, HTTP_PORT), kills=KILLS) -> tuple[dict, list]:
     """One phase on the deployed cluster (see the module doc). ``refs``: the reference
     prompts and answers; None: made here first. Returns (the phase's report, the refs)."""
     import aiohttp
@@ -202,7 +203,7 @@ async def run_phase(backend: str, fault_dir: str, seconds: float, load: float, r
         sampler = asyncio.ensure_future(sample_leftovers(tally, stop))
         at_start = sorted((await asyncio.to_thread(final_state))["rss_bytes"])
         start = time.monotonic()
-        injector = asyncio.ensure_future(faults(fault_dir, seconds, start, log))
+        injector = asyncio.ensure_future(faults(fault_dir, seconds, start, log, kills))
         rss_start = asyncio.ensure_future(rss_after(start + RSS_WARMUP * seconds))
         while time.monotonic() < start + seconds:
             tasks.append(asyncio.ensure_future(tally.run(caller, draw(rng, refs, cancel_share), random.Random(rng.random()))))
@@ -250,6 +251,7 @@ def summarize(phases: list[dict]) -> dict:
     errors: Counter = Counter()
     for p in phases:
         errors.update(p["explicit_errors"])
+    kills = sum((Counter(e.split("#")[1] for e in p.get("events", ()) if " killed " in e) for p in phases), Counter())  # "12s killed SERVE_REPLICA::pdserve#router#id"
     growth = [g for g in map(rss_growth, phases) if g is not None]
     late = [g for g in (rss_growth(p, replacements=True) for p in phases) if g is not None]
     return {
@@ -260,6 +262,7 @@ def summarize(phases: list[dict]) -> dict:
         "rss_growth_max": round(max(growth), 4) if growth else None,
         "rss_growth_max_replacements": round(max(late), 4) if late else None,
         "kv_faults_injected": {p["backend"]: p["kv_faults_taken"] for p in phases},
+        "replica_kills": dict(kills), "router_kills": kills["router"],
     }
 
 

@@ -7,8 +7,11 @@ over gRPC, text over HTTP), and any other must have exactly ``max_tokens`` token
 
 Outcomes: ``ok``, ``wrong`` (a finished answer that differs), ``cancelled`` (the client left
 on purpose), ``error:<status>`` (an explicit error: a gRPC status or an HTTP status, with a
-message), ``lost`` (no answer and no error before the client's deadline, or a stream that
-ended with neither a finish nor an error).
+message; or ``HTTP stream cut``, a chunked body that ended without its last chunk, as Ray
+Serve's proxy ends a stream whose router replica died: aiohttp's ClientPayloadError,
+httpx's RemoteProtocolError, an error in every HTTP client), ``lost`` (no answer and no
+error before the client's deadline, or a stream that ended with neither a finish nor an
+error).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 import grpc
 
 CANCEL_STAGES = ("before", "first", "mid")  # before the first token; right after it; after a few
@@ -95,6 +99,8 @@ class Caller:
             return Outcome(f"error:{code}", detail=(e.details() or "")[:200])
         except HttpError as e:
             return Outcome(f"error:HTTP {e.status}", detail=e.message[:200])
+        except aiohttp.ClientPayloadError as e:  # the chunked body ended without its last chunk: every HTTP client raises on it
+            return Outcome("error:HTTP stream cut", detail=f"{type(e).__name__}: {e}"[:200])
         except Exception as e:  # noqa: BLE001 - a connection dropped with no status: nothing explicit reached the client
             return Outcome("lost", detail=f"{type(e).__name__}: {e}"[:200])
         return Outcome("cancelled") if cancelled else judge(spec, answer, start, time.perf_counter())

@@ -13,6 +13,7 @@ from kv_transfer import KVHandle, KVReceiver, make_receiver
 from kv_transfer.factory import node_id
 from kv_transfer.paged import PagedKVSink
 from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
+from pdserve.callers import CallerWatch
 from pdserve.config import ClusterConfig
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
@@ -84,6 +85,8 @@ class DecodeServer:
         self.metrics = PoolMetrics(pool, self.cfg.model.path, self._stats, replica=self.replica)
         self._aborted: dict[str, float] = {}  # request id -> when an abort by id came (monotonic s)
         self.num_aborted_by_id = 0  # requests stopped by ``abort`` rather than by a cancelled call
+        self._running: dict[str, Sequence] = {}  # request id -> its sequence, while this replica streams it
+        self.callers = CallerWatch(self._stop_orphan)  # stops the requests of a router replica that died
 
     async def _reserve(self, num_tokens: int, deadline: float) -> list[int]:
         """Blocks for the incoming KV; they count as used from now on, so admission sees them."""
@@ -122,6 +125,15 @@ class DecodeServer:
         request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
         if request.request_id in self._aborted:  # the router gave up on it already (abort); it releases prefill's KV
             return
+        inner = self._generate(request)
+        with self.callers.running(request.caller, request.request_id):  # its router dies: this task is cancelled
+            try:
+                async for item in inner:
+                    yield item
+            finally:
+                await inner.aclose()  # now, not at garbage collection (see below)
+
+    async def _generate(self, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
         self.loop.raise_if_stalled()  # before fetching KV into a replica that cannot run it
         match request:
             case WithKV() | LayerwiseKV():
@@ -204,6 +216,7 @@ class DecodeServer:
         except BaseException:
             self.engine.free_blocks(blocks)
             raise
+        self._running[seq.request_id] = seq
         last, interval = None, self.pool_cfg.stream_interval
         timeout_s, name = self.pool_cfg.max_step_s + STEP_DEADLINE_S, f"{self.pool} per-token deadline (max_step_s + {STEP_DEADLINE_S:g} s)"
         try:
@@ -220,6 +233,7 @@ class DecodeServer:
                 if item.finish_reason is not None:
                     return
         finally:
+            self._running.pop(seq.request_id, None)
             self.loop.abort(seq)  # no-op once finished
 
     async def abort(self, request_id: str) -> bool:
@@ -237,6 +251,15 @@ class DecodeServer:
             return False
         self.num_aborted_by_id += 1
         return True
+
+    def _stop_orphan(self, request_id: str) -> None:
+        """Its router replica died (pdserve/callers.py): end its stream, free its blocks
+        before the next step, and refuse it if its call has yet to come."""
+        self._aborted[request_id] = time.monotonic()
+        seq = self._running.get(request_id)
+        if seq is not None:
+            self.loop.end_stream(request_id)
+            self.loop.abort(seq)
 
     async def _release_quietly(self, handle: KVHandle) -> None:
         await asyncio.to_thread(self._release_sync, handle)
@@ -259,7 +282,7 @@ class DecodeServer:
         return {
             "num_kv_fetched": self.num_kv_fetched, "num_kv_faults": self.num_kv_faults, "num_recomputed": self.num_recomputed,
             "num_migrated_in": self.num_migrated_in, "num_aborted_by_id": self.num_aborted_by_id,
-            "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica,
+            "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica, **self.callers.stats(),
             **self.engine.stats(), **{f"kv_{k}": v for k, v in self.kv_receiver.stats().items()},
         }
 
@@ -270,5 +293,7 @@ class DecodeServer:
     def __del__(self):
         if hasattr(self, "metrics"):
             self.metrics.close()
+        if hasattr(self, "callers"):
+            self.callers.close()
         if hasattr(self, "loop"):
             self.loop.close()

@@ -53,6 +53,17 @@ class CapacityError(PDServeError):
         self.retry_after_s = retry_after_s
 
 
+class ShuttingDownError(PDServeError):
+    """The router is draining before a shutdown (``pdserve down``): a new request is refused
+    (retry on another server, or once it is back, after ``retry_after_s`` seconds), and a
+    stream still running at the drain's deadline ends with it. Maps to UNAVAILABLE / HTTP 503
+    with a ``retry-after`` hint."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class WorkerStalledError(PDServeError, RuntimeError):
     """A worker's engine step has run longer than its pool's ``max_step_s`` (a hung
     forward). The replica fails its health check and is replaced; the router treats the

@@ -4,8 +4,9 @@ builds on them, not the other way round."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pdserve.callers import Caller
 from pdserve.sampling import SamplingParams, TokenLogprob
 
 
@@ -28,6 +29,7 @@ class PrefillRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    caller: Caller | None = None  # the router replica that sent it (pdserve/callers.py)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class _DecodeCall:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    caller: Caller | None = field(default=None, kw_only=True)  # the router replica that sent it (pdserve/callers.py)
 
 
 @dataclass

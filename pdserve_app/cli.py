@@ -42,15 +42,13 @@ def _read_state() -> dict:
         return {}
 
 
-def _ray_cli() -> str:
-    local = Path(sys.executable).parent / "ray"
-    return str(local) if local.exists() else "ray"
-
-
 def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
     """Join ``address`` (or a running local cluster), else start a local head (its Prometheus
-    metrics on ``metrics_export_port``). True if we started it."""
+    metrics on ``metrics_export_port``; token authentication: pdserve_app/ray_head.py). True
+    if we started it."""
     import ray
+
+    from pdserve_app.ray_head import start_head
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
@@ -62,20 +60,7 @@ def _connect_ray(address: str | None, metrics_export_port: int = 8080) -> bool:
     except ConnectionError:
         pass
     typer.echo("Starting a local Ray head node ...", err=True)
-    # Ray starts its workers at nice 15 by default: the replicas and Serve's proxy (on every
-    # request's path) would yield their cores to any other process on the node, a load
-    # generator for one. The whole node at 0 keeps Serve's controller level with the replicas
-    # too (a controller left at 15 behind busy replicas stops autoscaling).
-    # Serve's controller runs its control loop every 0.1 s by default: ~5% of a core on a node
-    # of 2, taken from the replicas. Every 0.5 s it takes ~2%; a dead replica or a scaling
-    # decision is acted on up to 0.4 s later. An explicit setting in the environment wins.
-    env = {**os.environ, "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
-           "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": os.environ.get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")}
-    subprocess.run(
-        [_ray_cli(), "start", "--head", "--disable-usage-stats", "--include-dashboard=false", f"--num-cpus={os.cpu_count()}",
-         f"--metrics-export-port={metrics_export_port}"],
-        check=True, stdout=subprocess.DEVNULL, env=env,
-    )
+    typer.echo(start_head(metrics_export_port), err=True)
     ray.init(address="auto", log_to_driver=False)
     return True
 
@@ -204,10 +189,11 @@ def _stop_ray() -> bool:
     """``ray stop`` on this node (``--force`` if it has not finished in DOWN_TIMEOUT_S), then the
     /dev/shm KV pools of prefill replicas killed before they could remove them; True if it ran."""
     from kv_transfer.factory import remove_stale_pool_files
+    from pdserve_app.ray_head import ray_cli
 
     for args in (["stop"], ["stop", "--force"]):
         try:
-            subprocess.run([_ray_cli(), *args], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=DOWN_TIMEOUT_S)
+            subprocess.run([ray_cli(), *args], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=DOWN_TIMEOUT_S)
             remove_stale_pool_files()
             return True
         except subprocess.TimeoutExpired:
@@ -215,11 +201,37 @@ def _stop_ray() -> bool:
     return False
 
 
+def _drain(drain_s: float) -> None:
+    """Drain every router replica (pdserve_app/drain.py, in a child process) and say how it went."""
+    from router.draining import CLOSE_DEADLINE_S
+
+    try:
+        done = subprocess.run([sys.executable, "-m", "pdserve_app.drain", f"{drain_s:g}"], capture_output=True, text=True,
+                              timeout=drain_s + CLOSE_DEADLINE_S + DOWN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        typer.echo(f"The drain did not finish in {drain_s + CLOSE_DEADLINE_S + DOWN_TIMEOUT_S:.0f} s; going on", err=True)
+        return
+    if done.returncode == 3:
+        return  # nothing to drain: no cluster, or no app (the next step says which)
+    if done.returncode != 0:
+        typer.echo(f"The drain failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}; going on", err=True)
+        return
+    c = json.loads(done.stdout.strip().splitlines()[-1])
+    typer.echo(f"Drained {c['replicas']} router replica(s): of {c['in_flight']} requests in flight, {c['finished']} finished "
+               f"within {drain_s:g} s and {c['cut']} ended with an error" + (f"; {c['unanswered']} replica(s) did not answer" if c["unanswered"] else ""),
+               err=True)
+
+
 @app.command()
-def down():
-    """Stop the pdserve app, and the local Ray head if `pdserve up` started it. Each step
-    has a deadline (DOWN_TIMEOUT_S); it prints what it stopped."""
+def down(
+    drain_s: float = typer.Option(30.0, "--drain-s", min=0.0,
+                                  help="seconds in-flight requests get to finish (new ones are refused with 503 / UNAVAILABLE); "
+                                       "the rest then end with an error"),
+):
+    """Drain the router replicas, then stop the pdserve app, and the local Ray head if
+    `pdserve up` started it. Each step has a deadline; it prints what it stopped."""
     state = _read_state()
+    _drain(drain_s)
     try:  # in a child process: joining a cluster whose head is gone can wait for minutes
         done = subprocess.run([sys.executable, "-c", _SERVE_SHUTDOWN], capture_output=True, text=True, timeout=DOWN_TIMEOUT_S)
         if done.returncode == 0:

@@ -22,6 +22,7 @@ from pdserve.config import KV_SECRET_OFF, ClusterConfig, ConfigError, PoolConfig
 log = logging.getLogger(__name__)
 
 APP_NAME = "pdserve"
+ROUTER_DEPLOYMENT = "router"
 
 
 def _pool_options(name: str, pool: PoolConfig) -> dict:
@@ -45,6 +46,14 @@ def holder_router_config():
     from ray.serve.config import RequestRouterConfig
 
     return RequestRouterConfig(request_router_class="router.holder_routing.HolderAwareRouter")
+
+
+def replica_router_config():
+    """Ray Serve's request router for the router deployment: a call can name its replica
+    (``pdserve down`` drains each one), router/replica_calls.py."""
+    from ray.serve.config import RequestRouterConfig
+
+    return RequestRouterConfig(request_router_class="router.replica_calls.ReplicaTargetRouter")
 
 
 def prefix_router_config(pool: PoolConfig):
@@ -92,10 +101,11 @@ def build_app(cfg: ClusterConfig) -> serve.Application:
         decode = serve.deployment(DecodeServer).options(**_pool_options("decode", cfg.decode),
                                                         request_router_config=holder_router_config()).bind(config)
     router = serve.deployment(Router).options(
-        name="router",
+        name=ROUTER_DEPLOYMENT,
         num_replicas=cfg.router.num_replicas,
         max_ongoing_requests=cfg.router.max_ongoing_requests,
         ray_actor_options=dict(cfg.router.ray_actor_options),
+        request_router_config=replica_router_config(),
     )
     return router.bind(prefill, decode, config)
 

@@ -12,6 +12,7 @@ from kv_transfer.factory import node_id, prefill_pool_memory
 from kv_transfer.paged import PagedKVSource
 from kv_transfer.progress import LayerProgress, StreamedKVSource
 from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
+from pdserve.callers import CallerWatch
 from pdserve.config import ClusterConfig
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
@@ -58,22 +59,26 @@ class PrefillServer:
         self.ttft = LatencyWindow()  # seconds from arrival to first token, for autoscaling on TTFT
         self.busy = BusyMeter()  # busy fraction between autoscaling reports
         self.metrics = PoolMetrics("prefill", self.cfg.model.path, self._stats, replica=self.replica)
+        # a router replica that dies: its prefills are cancelled and the KV leased for it released
+        self.callers = CallerWatch(self.kv_sender.release)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Raises InvalidRequestError for a request that breaks the shared limits,
         WorkerStalledError if this replica's engine is stuck in a step (the router sends
         the request to another replica), TimeoutError after PREFILL_DEADLINE_S."""
         start, seq = time.perf_counter(), self._sequence(request)
-        queue = self.loop.submit(seq)
-        try:
-            chunk = await self.loop.next_output(queue, PREFILL_DEADLINE_S, "prefill deadline (queue and prefill of the prompt)")
-        except BaseException:
-            self.loop.abort(seq)
-            raise
+        with self.callers.running(request.caller, request.request_id):  # its router dies: cancelled
+            queue = self.loop.submit(seq)
+            try:
+                chunk = await self.loop.next_output(queue, PREFILL_DEADLINE_S, "prefill deadline (queue and prefill of the prompt)")
+            except BaseException:
+                self.loop.abort(seq)
+                raise
         handle = None
         if chunk.finish_reason is None:  # decode will continue: lease the prompt's blocks to it
             source = PagedKVSource(self.engine.kv_cache, seq.block_table, seq.num_prompt_tokens, self.engine.free_blocks)
             handle = self.kv_sender.put(request.request_id, source, self.pool_cfg.kv_lease_s)
+            self.callers.hold(request.caller, request.request_id, self.pool_cfg.kv_lease_s)  # its router dies: released
         return self._result(seq, chunk.finish_reason, handle, start)
 
     def _sequence(self, request: PrefillRequest) -> Sequence:
@@ -101,29 +106,31 @@ class PrefillServer:
         seq.kv_progress = progress = LayerProgress(self.engine.kv_spec.num_layers, seq.num_prompt_tokens,
                                                    on_start=lambda: loop.call_soon_threadsafe(started.set))
         source = StreamedKVSource(self.engine.kv_cache, seq, self.engine.free_blocks, progress)
-        handle = self.kv_sender.put(request.request_id, source, PREFILL_DEADLINE_S + self.pool_cfg.kv_lease_s)
         output = None
-        try:
-            queue = self.loop.submit(seq)
-            output = asyncio.ensure_future(self.loop.next_output(queue, PREFILL_DEADLINE_S, "prefill deadline (queue and prefill of the prompt)"))
-            waiter = asyncio.ensure_future(started.wait())
-            await asyncio.wait([output, waiter], return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            if not output.done():  # scheduled, computing: decode may start fetching
-                yield PrefillStarted(request.request_id, handle)
-            chunk = await output
-        except BaseException:
-            progress.fail("prefill failed or was cancelled")
-            if output is not None:
-                output.cancel()
-            self.kv_sender.release(request.request_id)  # not yet the lease's blocks: nothing freed here ...
-            self.loop.abort(seq)  # ... the engine frees them
-            raise
+        with self.callers.running(request.caller, request.request_id):  # its router dies: this task is cancelled
+            handle = self.kv_sender.put(request.request_id, source, PREFILL_DEADLINE_S + self.pool_cfg.kv_lease_s)
+            try:
+                queue = self.loop.submit(seq)
+                output = asyncio.ensure_future(self.loop.next_output(queue, PREFILL_DEADLINE_S, "prefill deadline (queue and prefill of the prompt)"))
+                waiter = asyncio.ensure_future(started.wait())
+                await asyncio.wait([output, waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if not output.done():  # scheduled, computing: decode may start fetching
+                    yield PrefillStarted(request.request_id, handle)
+                chunk = await output
+            except BaseException:
+                progress.fail("prefill failed or was cancelled")
+                if output is not None:
+                    output.cancel()
+                self.kv_sender.release(request.request_id)  # not yet the lease's blocks: nothing freed here ...
+                self.loop.abort(seq)  # ... the engine frees them
+                raise
         if chunk.finish_reason is not None:  # done at the first token: the engine freed the blocks
             self.kv_sender.release(request.request_id)
             handle = None
         elif source.own():  # the blocks are the lease's now; its clock starts as for a finished prefill
             self.kv_sender.table.renew(request.request_id, self.pool_cfg.kv_lease_s)
+            self.callers.hold(request.caller, request.request_id, self.pool_cfg.kv_lease_s)
         else:  # decode already gave up on this KV (its lease ended): free the blocks here
             self.engine.free_blocks(seq.block_table)
         yield self._result(seq, chunk.finish_reason, handle, start)
@@ -140,7 +147,7 @@ class PrefillServer:
         return replica_stats(self.engine.stats(), self.ttft, "ttft", self.busy)
 
     def _stats(self) -> dict[str, int]:
-        return {"num_requests": self.num_requests, "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica,
+        return {"num_requests": self.num_requests, "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica, **self.callers.stats(),
                 "kv_address": getattr(self.kv_sender, "address", ""), **self.engine.stats(), **self.kv_sender.stats()}
 
     def check_health(self) -> None:
@@ -150,6 +157,8 @@ class PrefillServer:
     def __del__(self):
         if hasattr(self, "metrics"):
             self.metrics.close()
+        if hasattr(self, "callers"):
+            self.callers.close()
         if hasattr(self, "kv_sender"):
             self.kv_sender.close()
         if hasattr(self, "loop"):

@@ -1,4 +1,5 @@
-"""An HTTP answer's token stream that stops when its client leaves, and frees both pools.
+"""A request's token stream that stops when its HTTP client leaves or its router drains,
+and frees both pools.
 
 Behind Ray Serve's HTTP proxy a client's disconnect does not reliably stop the router's
 handler: Starlette's ``StreamingResponse`` only watches for ``http.disconnect`` when the
@@ -12,6 +13,8 @@ after their clients had gone.
 ``follow`` fixes both: it watches ``receive`` for ``http.disconnect`` itself, and it
 advances the request path's stream in a task of its own, so that stopping it is one
 ``Task.cancel()``, whose ``finally`` blocks (router/request_path.py) then run to the end.
+The same stop serves a router that drains before a shutdown (``stop``, router/draining.py):
+a stream still running at the drain's deadline ends with its error.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ async def until_disconnect(receive: Receive) -> None:
         await asyncio.Event().wait()
 
 
-async def follow(stream: AsyncIterator, receive: Receive) -> AsyncIterator:
-    """``stream``'s items, until it ends (its error re-raised here) or the client behind
-    ``receive`` disconnects (then this ends early, and ``stream`` is cancelled and closed).
+async def follow(stream: AsyncIterator, receive: Receive | None = None, stop: Awaitable[BaseException] | None = None) -> AsyncIterator:
+    """``stream``'s items, until it ends (its error re-raised here), the client behind
+    ``receive`` disconnects (then this ends early), or ``stop`` completes (then the exception
+    it returns is raised here). In the last two cases ``stream`` is cancelled and closed.
 
     However this generator is left (exhausted, closed, cancelled), the stream's task is
     cancelled without waiting on it, so a cancelled caller cannot interrupt its cleanup."""
@@ -61,16 +65,20 @@ async def follow(stream: AsyncIterator, receive: Receive) -> AsyncIterator:
             queue.put_nowait(_End(e))
 
     task = asyncio.create_task(pump())
-    gone = asyncio.create_task(until_disconnect(receive))
+    gone = asyncio.create_task(until_disconnect(receive)) if receive is not None else None
+    stopped = asyncio.ensure_future(stop) if stop is not None else None
+    watches = {w for w in (gone, stopped) if w is not None}
     try:
         while True:
             get = asyncio.ensure_future(queue.get())
             try:
-                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({get, *watches}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not get.done():
                     get.cancel()
             if not get.done() or get.cancelled():
+                if stopped is not None and stopped.done():
+                    raise stopped.result()
                 log.info("HTTP client disconnected; stopping its request")
                 return
             item = get.result()
@@ -80,7 +88,8 @@ async def follow(stream: AsyncIterator, receive: Receive) -> AsyncIterator:
                 return
             yield item
     finally:
-        gone.cancel()
+        for watch in watches:
+            watch.cancel()
         if not task.done():
             task.cancel()  # the stream's finally blocks run in that task, uninterrupted
             _stopping.add(task)

@@ -7,7 +7,7 @@ import grpc
 from ray.serve.exceptions import BackPressureError
 
 from pdserve.errors import (AuthenticationError, CapacityError, InvalidRequestError, KVAuthError, KVIncompatibleError, KVTransferError,
-                            WorkerStalledError)
+                            ShuttingDownError, WorkerStalledError)
 
 
 def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -22,6 +22,8 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAUTHENTICATED, error_message(exc)
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, error_message(exc)
+    if isinstance(exc, ShuttingDownError):
+        return grpc.StatusCode.UNAVAILABLE, error_message(exc)
     if isinstance(exc, BackPressureError):  # a pool's Ray Serve queue is at max_queued_requests
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {error_message(exc)}"
     if isinstance(exc, (KVIncompatibleError, KVAuthError)):  # deployment errors: the pools run different models or secrets
@@ -41,9 +43,9 @@ def error_message(exc: BaseException) -> str:
 
 
 def retry_after_s(exc: BaseException, default_s: float) -> float | None:
-    """The retry hint (seconds) for an overload error, None for any other."""
+    """The retry hint (seconds) for an overload or shutting-down error, None for any other."""
     cause = getattr(exc, "cause", None) or exc
-    if isinstance(cause, CapacityError):
+    if isinstance(cause, (CapacityError, ShuttingDownError)):
         return cause.retry_after_s
     if isinstance(exc, BackPressureError):
         return default_s

@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.sampling import SamplingParams
 from router import openai_api as oa
-from router.disconnect import Receive, follow
+from router.disconnect import Receive
 from router.errors import error_message, retry_after_s
 from router.frontend import Frontend, Output
 
-Generate = Callable[[list[int], SamplingParams], AsyncIterator[Output]]
+Generate = Callable[..., AsyncIterator[Output]]  # (prompt ids, params, *, receive=): the router's generate
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,7 @@ async def handle(frontend: Frontend, generate: Generate, body: bytes, chat: bool
     rid = oa.new_id("chatcmpl" if chat else "cmpl")
     try:
         req, prompt_ids, params = await asyncio.to_thread(parse, frontend, body, chat)  # tokenizing stays off the event loop
-        stream = generate(prompt_ids, params)
-        if receive is not None:
-            stream = follow(stream, receive)
+        stream = generate(prompt_ids, params, receive=receive)  # stops if the client leaves
         first = await stream.__anext__()
     except StopAsyncIteration:  # the client left before the first token: nobody reads this
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -119,7 +117,7 @@ async def sse_stream(frontend: Frontend, rid: str, chat: bool, first: Output, st
 
 
 def error_response(exc: BaseException, default_retry_after_s: float = 1.0) -> JSONResponse:
-    """OpenAI's error shape with the status for ``exc``; a 429 carries ``Retry-After`` (seconds)."""
+    """OpenAI's error shape with the status for ``exc``; a 429 or 503 (shutting down) carries ``Retry-After`` (seconds)."""
     status, kind = oa.error_status(exc)
     if status == 500:
         log.error("request failed", exc_info=exc)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ray.serve.exceptions import BackPressureError
 
 from pdserve.errors import (AuthenticationError, CapacityError, InvalidRequestError, KVAuthError, KVIncompatibleError, KVTransferError,
-                            RequestTooLargeError, WorkerStalledError)
+                            RequestTooLargeError, ShuttingDownError, WorkerStalledError)
 from pdserve.sampling import MAX_LOGPROBS, SamplingParams
 
 
@@ -280,6 +280,7 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         (InvalidRequestError, 400, "invalid_request_error"),
         (AuthenticationError, 401, "authentication_error"),
         (CapacityError, 429, "rate_limit_error"),
+        (ShuttingDownError, 503, "service_unavailable"),
         (BackPressureError, 429, "rate_limit_error"),
         (KVIncompatibleError, 500, "server_error"),
         (KVAuthError, 500, "server_error"),

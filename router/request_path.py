@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator
 from ray.exceptions import RayActorError
 
 from kv_transfer.base import KVHandle, KVReceiver
+from pdserve.callers import Caller
 from pdserve.errors import FirstTokenMissingError, KVTransferError, WorkerStalledError
 from pdserve.messages import DecodeRequest, FreshRequest, LayerwiseKV, Migrated, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk, WithKV
 from pdserve.sampling import SamplingParams
@@ -56,11 +57,13 @@ RELEASE_TIMEOUT_S = 5.0  # a lease release over the KV channel
 
 class RequestPath:
     """``prefill``/``decode``: Ray Serve deployment handles (``prefill`` None in colocated
-    mode); ``prefill_retries``/``decode_retries``: when each stage is sent again (router/retries.py)."""
+    mode); ``prefill_retries``/``decode_retries``: when each stage is sent again (router/retries.py);
+    ``caller``: this router replica (None outside Ray)."""
 
     def __init__(self, prefill, decode, prefill_retries: RetryPolicy, decode_retries: RetryPolicy, layerwise: bool = False,
-                 kv_releaser: KVReceiver | None = None, placement: PrefillPlacement | None = None):
+                 kv_releaser: KVReceiver | None = None, placement: PrefillPlacement | None = None, caller: Caller | None = None):
         self.prefill, self.decode = prefill, decode
+        self.caller = caller  # this router replica, named in every call: the pools stop its requests if it dies (pdserve/callers.py)
         self.placement = placement or PrefillPlacement()  # which pool prefills (router/placement.py); none given: always prefill's
         self.kv_releaser = kv_releaser  # releases a lease at the replica that holds it, over the KV channel
         self.prefill_retries, self.decode_retries = prefill_retries, decode_retries
@@ -75,7 +78,7 @@ class RequestPath:
         client that left) and both pools free what they hold at once."""
         local = self.prefill is None or self.placement.choose_local(len(prompt_ids))
         if local:  # colocated, or prefilled by the decode replica itself (router/placement.py)
-            items = self._decode(FreshRequest(request_id, prompt_ids, params), [])
+            items = self._decode(FreshRequest(request_id, prompt_ids, params, caller=self.caller), [])
             prefilling = self.prefill is not None
             if prefilling:
                 self.placement.started(True, len(prompt_ids))
@@ -94,9 +97,9 @@ class RequestPath:
         ahead, start, took = self.placement.started(False, len(prompt_ids)), time.perf_counter(), None
         try:
             if self.layerwise and params.max_tokens > 1:
-                first, early_decode = await self._prefill_layerwise(PrefillRequest(request_id, prompt_ids, params))
+                first, early_decode = await self._prefill_layerwise(PrefillRequest(request_id, prompt_ids, params, self.caller))
             else:
-                first = await self._prefill(PrefillRequest(request_id, prompt_ids, params))
+                first = await self._prefill(PrefillRequest(request_id, prompt_ids, params, self.caller))
             took = time.perf_counter() - start
         finally:
             self.placement.finished(False, len(prompt_ids), took, ahead)
@@ -110,7 +113,7 @@ class RequestPath:
         finished, items = False, None
         try:
             yield TokenChunk([first.first_token], None, first_logprobs)
-            items = self._decode(WithKV(request_id, prompt_ids, params, first.first_token, first.kv), [first.first_token], early_decode)
+            items = self._decode(WithKV(request_id, prompt_ids, params, first.first_token, first.kv, caller=self.caller), [first.first_token], early_decode)
             async for item in items:
                 finished = item.finish_reason is not None
                 yield item
@@ -152,7 +155,7 @@ class RequestPath:
                     self.num_migrations += 1
                     log.warning("decode replica lost for %s after %d tokens (%s); migrating", request.request_id, len(streamed), type(e).__name__)
                 if streamed:  # go on after what the client has; with nothing yet (colocated), send it again as it was
-                    request = Migrated(request.request_id, request.prompt_ids, request.params, tuple(streamed))
+                    request = Migrated(request.request_id, request.prompt_ids, request.params, tuple(streamed), caller=self.caller)
                 retry = True
             finally:
                 if not finished:
@@ -197,7 +200,7 @@ class RequestPath:
                 if isinstance(item, PrefillStarted):
                     handle = item.kv
                     decode = self.decode.options(stream=True).generate.remote(
-                        LayerwiseKV(request.request_id, request.prompt_ids, request.params, handle))
+                        LayerwiseKV(request.request_id, request.prompt_ids, request.params, handle, caller=self.caller))
                     item = await calls.__anext__()
                 return item, decode
             except BaseException as e:

@@ -28,6 +28,7 @@ from kv_transfer.factory import make_receiver
 from router import http
 from router import openai_api as oa
 
+from pdserve.callers import this_actor
 from pdserve.config import ClusterConfig
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
@@ -38,9 +39,12 @@ from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
 from pdserve.worker import max_model_len
 from router.admission import Admission
+from router.disconnect import Receive, follow
+from router.draining import Drain
 from router.frontend import Frontend, Output
 from router.grpc_server import GrpcFrontDoor
 from router.placement import PrefillPlacement
+from router.replica_calls import ToReplica
 from router.request_path import RequestPath
 from router.retries import RetryPolicy
 from router.stop_strings import StopStringMatcher
@@ -94,9 +98,11 @@ class Router:
                                 self.cfg.kv_transfer.layerwise,
                                 make_receiver(self.cfg.kv_transfer, secret=self.cfg.security.kv_secret) if prefill is not None else None,
                                 PrefillPlacement(r.local_prefill_max_tokens, r.local_prefill_queue_s, r.max_local_prefills,
-                                                 lambda where: self.metrics.placement.inc(tags={"where": where})))
+                                                 lambda where: self.metrics.placement.inc(tags={"where": where})),
+                                this_actor())
         self.admission = Admission(r.max_in_flight, r.retry_after_s, r.max_request_bytes, self.cfg.security.api_key,
                                    r.max_queue_s, self.path.placement.prefill_wait_s)
+        self.draining = Drain(lambda: self.admission.num_in_flight, r.retry_after_s)  # `pdserve down` (router/draining.py)
         tls = (r.tls_cert_file, r.tls_key_file, r.tls_client_ca_file) if r.tls_cert_file else None
         self.grpc = GrpcFrontDoor(self, r.host, r.grpc_port, r.max_request_bytes, r.client_keepalive_s, tls)
         self.grpc.start()  # Ray Serve runs this constructor on the replica's event loop
@@ -149,10 +155,23 @@ class Router:
     async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
         return pb.HealthResponse(ok=True, model=self.model_name, max_model_len=self.max_model_len)
 
+    async def drain(self, target: ToReplica, drain_s: float) -> dict[str, int]:
+        """``pdserve down``'s drain of this replica (``target`` names it; router/replica_calls.py
+        routes the call): new requests are refused, those in flight get ``drain_s`` seconds,
+        the rest end with an error (router/draining.py). Returns its counts. Raises
+        ValueError if ``target`` is another replica."""
+        me = serve.get_replica_context().replica_id.unique_id
+        if target.unique_id != me:
+            raise ValueError(f"a drain for router replica {target.unique_id} reached {me}")
+        log.info("draining: %d requests in flight get %g s", self.admission.num_in_flight, drain_s)
+        counts = await self.draining.run(drain_s)
+        log.info("drained: %s", counts)
+        return counts
+
     async def stats(self) -> dict[str, int]:
         """Admission, retry and migration counters (for tests and operators, through a deployment handle)."""
         placement = self.path.placement.stats
-        return {**self.admission.stats(), "num_prefill_retries": self.path.num_prefill_retries, "num_migrations": self.path.num_migrations,
+        return {**self.admission.stats(), "draining": int(self.draining.draining), "num_prefill_retries": self.path.num_prefill_retries, "num_migrations": self.path.num_migrations,
                 "num_resent": self.path.num_resent, "num_prefill_remote": placement.num_remote,
                 "num_prefill_local_short": placement.num_local_short, "num_prefill_local_queued": placement.num_local_queued}
 
@@ -191,14 +210,19 @@ class Router:
 
     # -- the request path -------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> AsyncIterator[Output]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       receive: Receive | None = None) -> AsyncIterator[Output]:
         """One request's answer as it is made, for both client APIs (router/frontend.py):
         ``prompt_ids`` and ``params`` checked by the Frontend; ``request_id`` the internal id
-        (unique; a new one if None). Raises CapacityError at once when admission refuses it,
-        then what the request path raises. Close it early and both pools free the request."""
+        (unique; a new one if None); ``receive``: an HTTP request's ASGI receive, watched for
+        the client leaving. Raises ShuttingDownError while the router drains, CapacityError
+        when admission refuses it (both at once), then what the request path raises, or
+        ShuttingDownError if the drain's deadline passes first. Close it early and both
+        pools free the request."""
         request_id = request_id or uuid.uuid4().hex
+        self.draining.check()
         self.admission.admit(request_id)  # CapacityError here, before anything is spent, when the router is full or queued
-        chunks = self._generate_admitted(request_id, prompt_ids, params)
+        chunks = follow(self._generate_admitted(request_id, prompt_ids, params), receive, self.draining.expired())
         try:
             async for chunk in chunks:
                 yield chunk

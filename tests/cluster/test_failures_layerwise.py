@@ -48,3 +48,55 @@ def test_a_prefill_replica_killed_while_decode_streams_its_layers_is_retried_on_
             break
         time.sleep(0.5)
     assert (decode["num_running"], decode["num_waiting"], decode["num_used_blocks"]) == (0, 0, 0)
+
+
+def test_a_router_killed_during_layerwise_hand_offs_leaves_nothing_in_either_pool(cluster):
+    """The router replica dies while both prefill replicas compute long prompts layer by layer
+    and decode fetches them: both pools stop the dead router's requests (pdserve/callers.py),
+    with nothing left running, reserved, held or leased, and a new router replica serves."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    import ray
+
+    from bench.soak import replica_stats
+    from pdserve.client import Client
+    from test_failures import replicas
+
+    prompts = [prompt(i + 60, 700) for i in range(6)]
+    cluster.generate(prompt_token_ids=prompts[0][:8], max_tokens=1, timeout_s=120)  # warm the path
+    before = sum(s["num_stopped_for_dead_caller"] for s in replica_stats("prefill").values())
+    client, first = Client(f"127.0.0.1:{GRPC_PORT}", retries=0), threading.Event()
+
+    def stream(p: list[int]) -> str:
+        try:
+            for _ in client.stream(prompt_token_ids=p, max_tokens=300, ignore_eos=True, timeout_s=300):
+                first.set()
+            return "finished"
+        except grpc.RpcError as e:
+            return e.code().name
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream, p) for p in prompts]
+        assert first.wait(300)  # one prompt is done; the others are still prefilling, their KV streaming to decode
+        ray.kill(ray.get_actor(replicas("router")[0], namespace="serve"), no_restart=True)
+        outcomes = [f.result(timeout=300) for f in futures]
+    assert outcomes == ["UNAVAILABLE"] * len(prompts), outcomes
+    deadline = time.monotonic() + 120  # only catches a hang
+    while True:
+        prefill, decode = replica_stats("prefill"), pool_stats("decode")
+        idle = all(s["num_running"] == s["num_waiting"] == s["num_held"] == 0 and s["num_free_blocks"] == s["num_blocks"] for s in prefill.values())
+        if (idle and (decode["num_running"], decode["num_waiting"], decode["num_used_blocks"]) == (0, 0, 0)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert idle and (decode["num_running"], decode["num_waiting"], decode["num_used_blocks"]) == (0, 0, 0), (prefill, decode)
+    assert sum(s["num_stopped_for_dead_caller"] for s in prefill.values()) > before  # stopped by the watch, not finished
+    while True:  # Ray Serve starts a new router replica
+        try:
+            assert cluster.generate(prompt_token_ids=prompts[0][:8], max_tokens=2, timeout_s=60).completion_tokens == 2
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline + 120, "no new router replica"
+            time.sleep(1)
+    client.close()

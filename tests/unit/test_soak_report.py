@@ -33,7 +33,9 @@ def test_a_replica_without_both_samples_is_left_out():
 def test_summary_adds_phases_and_keeps_the_worst_growth():
     second = phase("grpc")
     second["rss_end_bytes"]["decode#x"] = 510 * MIB
+    second["events"] = ["48s killed SERVE_REPLICA::pdserve#prefill#a1", "156s killed SERVE_REPLICA::pdserve#router#b2", "72s armed KV fault timeout"]
     s = summarize([phase(), second])
+    assert s["replica_kills"] == {"prefill": 1, "router": 1} and s["router_kills"] == 1
     assert s["requests_total"] == 20 and s["explicit_errors"] == {"HTTP 429": 4}
     assert s["rss_growth_max"] == 0.02 and s["rss_growth_max_replacements"] == 0.3
     assert s["kv_faults_injected"] == {"shm": ["break"], "grpc": ["break"]}

@@ -362,3 +362,75 @@ def test_layerwise_request_that_prefill_finishes_is_not_a_fault(workers, referen
     p, d = asyncio.run(settle(prefill, decode))
     assert d["num_kv_faults"] == faults
     assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]
+
+
+# -- a router replica that dies (pdserve/callers.py) ---------------------------------
+
+def test_the_requests_of_a_router_that_died_are_stopped_in_both_pools(workers, reference):
+    """A router replica dies with three requests out: one decoding, one whose prompt's KV is
+    leased but not yet fetched, one in a layer-wise hand-off (decode fetching while prefill
+    computes). Once its liveness probe says dead, both pools stop all three: the tasks
+    running them are cancelled and every block and lease is back at baseline."""
+    from pdserve.callers import Caller
+
+    backend, prefill, decode = workers
+    prompt, _ = reference
+    alive = {"router": True}
+
+    async def probe(caller, timeout_s):
+        return alive[caller.actor_id]
+
+    saved = [(w.callers.probe, w.callers.interval_s) for w in (prefill, decode)]
+    for w in (prefill, decode):
+        w.callers.probe, w.callers.interval_s = probe, 0.02
+    router, params = Caller("router", None), SamplingParams(max_tokens=500, ignore_eos=True)
+    salt = 1200 + 10 * ["grpc", "shm", "auto"].index(backend)  # prompts of their own: not cut short by the prefix cache
+    lw_prompt = [salt] + (prompt * 100)[:599]
+    before = (asyncio.run(prefill.stats())["num_stopped_for_dead_caller"], asyncio.run(decode.stats())["num_stopped_for_dead_caller"])
+
+    async def scenario():
+        first = await prefill.prefill(PrefillRequest(f"dead-decoding-{backend}", prompt, params, router))
+        chunks = []
+
+        async def stream():
+            async for chunk in decode.generate(WithKV(first.request_id, prompt, params, first.first_token, first.kv, caller=router)):
+                chunks.append(chunk)
+
+        decoding = asyncio.ensure_future(stream())
+        leased = await prefill.prefill(PrefillRequest(f"dead-leased-{backend}", [salt + 1, *prompt], params, router))
+        assert leased.kv is not None
+        items: asyncio.Queue = asyncio.Queue()
+
+        async def drive_prefill():  # as Ray Serve drives a streaming call: one task for the whole generator
+            async for item in prefill.prefill_layerwise(PrefillRequest(f"dead-lw-{backend}", lw_prompt, params, router)):
+                await items.put(item)
+
+        prefilling = asyncio.ensure_future(drive_prefill())
+        started = await items.get()
+
+        async def lw_stream():
+            async for _ in decode.generate(LayerwiseKV(started.request_id, lw_prompt, params, started.kv, caller=router)):
+                pass
+
+        lw_decoding = asyncio.ensure_future(lw_stream())
+        for _ in range(1000):  # a deadline that only catches a hang
+            if len(chunks) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        alive["router"] = False
+        outcomes = await asyncio.gather(decoding, prefilling, lw_decoding, return_exceptions=True)
+        return chunks, outcomes
+
+    try:
+        chunks, outcomes = asyncio.run(scenario())
+    finally:
+        for w, (probe_was, interval_was) in zip((prefill, decode), saved):
+            w.callers.probe, w.callers.interval_s = probe_was, interval_was
+    # decoding: its task cancelled, or its stream ended first ("abort"); prefilling: its task cancelled
+    assert isinstance(outcomes[0], asyncio.CancelledError) or (outcomes[0] is None and chunks[-1].finish_reason == "abort"), (outcomes, chunks[-1:])
+    assert isinstance(outcomes[1], asyncio.CancelledError), outcomes
+    assert sum(len(c.token_ids) for c in chunks) < 500  # stopped, not run on to max_tokens
+    p, d = asyncio.run(settle(prefill, decode))
+    assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and p["num_running"] == 0
+    assert d["num_free_blocks"] == d["num_blocks"] and d["num_running"] == 0
+    assert p["num_stopped_for_dead_caller"] - before[0] == 3 and d["num_stopped_for_dead_caller"] - before[1] >= 1
