@@ -47,10 +47,11 @@ async def until_disconnect(receive: Receive) -> None:
         await asyncio.Event().wait()
 
 
-async def follow(stream: AsyncIterator, receive: Receive | None = None, stop: Awaitable[BaseException] | None = None) -> AsyncIterator:
+async def follow(stream: AsyncIterator, receive: Receive | None = None,
+                 stop: Callable[[], Awaitable[BaseException]] | None = None) -> AsyncIterator:
     """``stream``'s items, until it ends (its error re-raised here), the client behind
-    ``receive`` disconnects (then this ends early), or ``stop`` completes (then the exception
-    it returns is raised here). In the last two cases ``stream`` is cancelled and closed.
+    ``receive`` disconnects (then this ends early), or what ``stop()`` returns completes
+    (then the exception it returns is raised here). In the last two cases ``stream`` is cancelled and closed.
 
     However this generator is left (exhausted, closed, cancelled), the stream's task is
     cancelled without waiting on it, so a cancelled caller cannot interrupt its cleanup."""
@@ -66,7 +67,7 @@ async def follow(stream: AsyncIterator, receive: Receive | None = None, stop: Aw
 
     task = asyncio.create_task(pump())
     gone = asyncio.create_task(until_disconnect(receive)) if receive is not None else None
-    stopped = asyncio.ensure_future(stop) if stop is not None else None
+    stopped = asyncio.ensure_future(stop()) if stop is not None else None
     watches = {w for w in (gone, stopped) if w is not None}
     try:
         while True:

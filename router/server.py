@@ -222,7 +222,7 @@ class Router:
         request_id = request_id or uuid.uuid4().hex
         self.draining.check()
         self.admission.admit(request_id)  # CapacityError here, before anything is spent, when the router is full or queued
-        chunks = follow(self._generate_admitted(request_id, prompt_ids, params), receive, self.draining.expired())
+        chunks = follow(self._generate_admitted(request_id, prompt_ids, params), receive, self.draining.expired)
         try:
             async for chunk in chunks:
                 yield chunk

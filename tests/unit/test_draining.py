@@ -40,7 +40,7 @@ def test_a_drain_lets_streams_finish_then_ends_the_rest_with_an_error():
             in_flight["n"] += 1
             got = []
             try:
-                async for item in follow(tokens(rid, ends), None, drain.expired()):
+                async for item in follow(tokens(rid, ends), None, drain.expired):
                     got.append(item)
                 return got, None
             except ShuttingDownError as e:
