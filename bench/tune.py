@@ -12,9 +12,18 @@ discrete-event simulation of the workload (lengths from ``--dataset``):
   one token and takes the profiled step time ``d + e B`` at batch size B; TPOT = the mean
   step time a request saw. KV transfer is left out (under 1% of TTFT here, bench/transfer.py).
 
-It prints the predicted goodput of every split, per replica too, and writes the best as a
-cluster.yaml fragment. ``--check URL`` runs ``pdserve bench goodput`` against a deployed
-cluster (e.g. the recommended split) and prints predicted against measured.
+Colocated (``mode: colocated``: one replica on all ``--workers`` cores) is simulated too,
+from a second profile on that many threads: one engine whose every step serves the running
+requests a token each and fills the rest of its token budget (``max_num_batched_tokens``,
+512) with prompt chunks in arrival order, as engine/scheduler.py does; a step costs
+``d + e B`` plus the chunk's share of the prefill fit (``b n + c ((s + n)^2 - s^2)`` for n
+tokens from position s; ``a`` instead of ``d`` when no request decodes). A prompt's first
+token comes with the step that finishes it.
+
+It prints the predicted goodput of every split and of colocated, per core too, and writes
+the best split as a cluster.yaml fragment. ``--check URL`` runs ``pdserve bench goodput``
+against a deployed cluster (e.g. the recommended split) and prints predicted against
+measured. ``bench/run.sh compare`` prints these predictions beside its measurements.
 """
 
 from __future__ import annotations
@@ -29,21 +38,22 @@ from pathlib import Path
 from bench import serve
 
 
-def profile(model_name: str, dtype: str, prompt_lengths: list[int], batches: list[int], context: int) -> dict:
-    """Seconds per prefill at each prompt length, per decode step at each batch size (one thread)."""
+def profile(model_name: str, dtype: str, prompt_lengths: list[int], batches: list[int], context: int, threads: int = 1) -> dict:
+    """Seconds per prefill at each prompt length, per decode step at each batch size, on an
+    engine with ``threads`` threads (a replica's CPUs)."""
     import torch
 
     from bench.engine import DECODE_STEPS_PER_REPEAT, pdserve_decode_step, pdserve_prefill
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.model_loader import load_model, resolve_model_dir
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     model = load_model(resolve_model_dir(model_name), dtype)
     blocks = max(max(batches) * -(-(context + DECODE_STEPS_PER_REPEAT * 2 + 2) // 16), -(-max(prompt_lengths) // 16)) + 8
     engine = Engine(model, EngineConfig(num_blocks=blocks, max_num_seqs=max(batches), enable_prefix_caching=False), frozenset(), 8192)
     prefill = {n: pdserve_prefill(engine, n, repeats=1) for n in prompt_lengths}
     decode = {b: pdserve_decode_step(engine, b, context, repeats=2) for b in batches}
-    return {"model": model_name, "dtype": dtype, "context": context,
+    return {"model": model_name, "dtype": dtype, "context": context, "threads": threads,
             "prefill_s": {str(k): v for k, v in prefill.items()}, "decode_step_s": {str(k): v for k, v in decode.items()}}
 
 
@@ -107,18 +117,79 @@ def simulate(specs: list[serve.RequestSpec], rate: float, n_prefill: int, n_deco
     return ttft, tpot
 
 
+def simulate_colocated(specs: list[serve.RequestSpec], rate: float, prefill_fit, decode_fit, budget: int = 512, seed: int = 0):
+    """(TTFT, TPOT) per request, in seconds, for Poisson arrivals at ``rate`` on one engine
+    that mixes decodes and prompt chunks in each step (module docstring; ``budget``: its
+    ``max_num_batched_tokens``, also the chunk size)."""
+    rng = random.Random(seed)
+    a, b, c = prefill_fit
+    d, e = decode_fit
+    arrivals, t = [], 0.0
+    for _ in specs:
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    ttft, tpot = [0.0] * len(specs), [0.0] * len(specs)
+    step_sum, left = [0.0] * len(specs), [max(spec.output_tokens - 1, 0) for spec in specs]
+    done = [0] * len(specs)  # prompt tokens computed
+    running: list[int] = []  # decoding
+    nxt, clock = 0, 0.0
+    waiting: list[int] = []  # arrived, prompt not finished, in arrival order
+    while nxt < len(specs) or waiting or running:
+        if not waiting and not running:
+            clock = max(clock, arrivals[nxt])
+        while nxt < len(specs) and arrivals[nxt] <= clock:
+            waiting.append(nxt)
+            nxt += 1
+        room, chunks = budget - len(running), []
+        for i in waiting:
+            if room <= 0:
+                break
+            n = min(specs[i].prompt_tokens - done[i], room)
+            chunks.append((i, n))
+            room -= n
+        step = (d + e * len(running)) if running else (a if chunks else 0.0)
+        step += sum(b * n + c * ((done[i] + n) ** 2 - done[i] ** 2) for i, n in chunks)
+        clock += step
+        still = []
+        for i in running:
+            step_sum[i] += step
+            left[i] -= 1
+            if left[i]:
+                still.append(i)
+            else:
+                tpot[i] = step_sum[i] / max(specs[i].output_tokens - 1, 1)
+        running = still
+        for i, n in chunks:
+            done[i] += n
+            if done[i] == specs[i].prompt_tokens:
+                waiting.remove(i)
+                ttft[i] = clock - arrivals[i]
+                if left[i]:
+                    running.append(i)
+    return ttft, tpot
+
+
 def attainment(ttft, tpot, ttft_slo, tpot_slo) -> float:
     return sum(1 for x, y in zip(ttft, tpot) if x <= ttft_slo and y <= tpot_slo) / len(ttft)
 
 
 def predicted_goodput(specs, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, target, max_rate=256.0) -> float:
-    """Highest rate (req/s) with simulated attainment >= target; 0 if none."""
+    """Highest rate (req/s) with simulated attainment >= target; 0 if none. n_prefill 0:
+    colocated (``simulate_colocated``, n_decode its token budget)."""
     lo, hi = 0.0, max_rate
     for _ in range(14):
         mid = (lo + hi) / 2
-        ttft, tpot = simulate(specs, mid, n_prefill, n_decode, prefill_fit, decode_fit)
-        lo, hi = (mid, hi) if attainment(ttft, tpot, ttft_slo, tpot_slo) >= target else (lo, mid)
+        lo, hi = (mid, hi) if predicted_attainment(specs, mid, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo) >= target else (lo, mid)
     return lo
+
+
+def predicted_attainment(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo) -> float:
+    """Simulated share of requests meeting both SLOs at ``rate`` (n_prefill 0: colocated, n_decode its token budget)."""
+    if n_prefill == 0:
+        ttft, tpot = simulate_colocated(specs, rate, prefill_fit, decode_fit, n_decode)
+    else:
+        ttft, tpot = simulate(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit)
+    return attainment(ttft, tpot, ttft_slo, tpot_slo)
 
 
 def fragment(n_prefill: int, n_decode: int) -> str:
@@ -133,12 +204,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--dataset", default="chat", help="chat | long | JSONL trace (see bench/traces)")
-    parser.add_argument("--workers", type=int, default=2, help="replicas (one core each) to split between the pools")
+    parser.add_argument("--workers", type=int, default=2, help="replicas (one core each) to split between the pools; colocated gets them all")
+    parser.add_argument("--colocated-budget", type=int, default=512, help="the colocated pool's max_num_batched_tokens")
     parser.add_argument("--ttft-slo", type=float, default=5.0)
     parser.add_argument("--tpot-slo", type=float, default=0.2)
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--num-requests", type=int, default=400, help="simulated requests per rate")
-    parser.add_argument("--profile", default=None, help="reuse a profile JSON instead of profiling")
+    parser.add_argument("--profile", default=None, help="reuse a profile JSON (profile.json: one thread, and colocated's) instead of profiling")
     parser.add_argument("--prompt-lengths", default="64,256,1024,2048")
     parser.add_argument("--batches", default="1,4,16,32")
     parser.add_argument("--check", default=None, help="OpenAI base URL of a deployed cluster to measure goodput on")
@@ -148,15 +220,17 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     specs = serve.load_specs(args.dataset, args.num_requests, 0, 8192)
     if args.profile:
-        prof = json.loads(Path(args.profile).read_text())
+        profiles = json.loads(Path(args.profile).read_text())
     else:
         mean_ctx = int(sum(s.prompt_tokens + s.output_tokens / 2 for s in specs) / len(specs))
         start = time.perf_counter()
-        prof = profile(args.model, args.dtype, [int(x) for x in args.prompt_lengths.split(",")],
-                       [int(x) for x in args.batches.split(",")], mean_ctx)
+        profiles = {str(n): profile(args.model, args.dtype, [int(x) for x in args.prompt_lengths.split(",")],
+                                    [int(x) for x in args.batches.split(",")], mean_ctx, n) for n in sorted({1, args.workers})}
         print(f"profiled in {time.perf_counter() - start:.0f} s", flush=True)
-        (out / "profile.json").write_text(json.dumps(prof, indent=2))
-    prefill_fit, decode_fit = fit(prof)
+        (out / "profile.json").write_text(json.dumps(profiles, indent=2))
+    if "prefill_s" in profiles:  # one profile (one thread): no colocated prediction
+        profiles = {"1": profiles}
+    prefill_fit, decode_fit = fit(profiles["1"])
     rows = []
     for n_p in range(1, args.workers):
         n_d = args.workers - n_p
@@ -164,12 +238,21 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({"prefill": n_p, "decode": n_d, "predicted_goodput_rps": g, "per_replica_rps": g / args.workers})
     rows.sort(key=lambda r: -r["predicted_goodput_rps"])
     best = rows[0] if rows else None
+    colocated = None
+    if str(args.workers) in profiles:
+        c_prefill, c_decode = fit(profiles[str(args.workers)])
+        g = predicted_goodput(specs, 0, args.colocated_budget, c_prefill, c_decode, args.ttft_slo, args.tpot_slo, args.attainment)
+        colocated = {"threads": args.workers, "predicted_goodput_rps": g, "per_core_rps": g / args.workers, "prefill_fit_s": c_prefill,
+                     "decode_step_fit_s": c_decode}
     print(f"\n{'P:D':>5} | {'goodput req/s':>13} | {'per replica':>11}   ({args.dataset}, TTFT <= {args.ttft_slo} s, TPOT <= {args.tpot_slo} s, "
           f"{args.attainment:.0%})")
     for r in rows:
         print(f"{r['prefill']}:{r['decode']:<3} | {r['predicted_goodput_rps']:>13.3f} | {r['per_replica_rps']:>11.3f}")
+    if colocated:
+        print(f"{'coloc':>5} | {colocated['predicted_goodput_rps']:>13.3f} | {colocated['per_core_rps']:>11.3f}   (one replica, {args.workers} threads)")
     result = {"dataset": args.dataset, "workers": args.workers, "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo,
-              "attainment": args.attainment, "prefill_fit_s": prefill_fit, "decode_step_fit_s": decode_fit, "splits": rows}
+              "attainment": args.attainment, "prefill_fit_s": prefill_fit, "decode_step_fit_s": decode_fit, "splits": rows,
+              "colocated": colocated}
     if best:
         (out / "cluster-fragment.yaml").write_text(fragment(best["prefill"], best["decode"]))
         print(f"\nrecommended: {best['prefill']} prefill : {best['decode']} decode -> {out / 'cluster-fragment.yaml'}")

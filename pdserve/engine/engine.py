@@ -123,7 +123,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One forward. Returns the sequences that got a new token (``token_ids[-1]``);
         a finished one has ``finish_reason`` set and is out of the scheduler."""
-        with self.lock:
+        with self.lock, self.backend.step_scope():
             try:
                 return self._step()
             finally:

@@ -74,6 +74,26 @@ def test_batched_chunked_prefill_and_decode_equal_generate(family):
     assert_all_blocks_free(engine)
 
 
+def test_a_cpu_step_runs_torch_on_one_thread_and_its_kernels_on_all(monkeypatch):
+    """On the cpu backend a step's own torch ops (embedding, sampling) run on the step's
+    thread alone, so torch's OpenMP workers never spin on the cores the kernels' pool needs;
+    the kernels keep the engine's threads, and torch's setting is back after the step."""
+    require_kernels("linear", "pointwise", "attention")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=32, block_size=4), EOS, 128)
+        assert engine.backend.name == "cpu" and engine.backend.num_threads == 2
+        seen = []
+        forward = engine.runner.forward
+        monkeypatch.setattr(engine.runner, "forward", lambda batch: seen.append(torch.get_num_threads()) or forward(batch))
+        generate_all(engine, random_prompts([9, 4]), 3)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2 and engine.backend.num_threads == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_preemption_recomputes_and_still_equals_generate():
     model, reference = tiny_model("llama"), tiny_model("llama")
     # 20 blocks x 4 tokens = 80 slots for six sequences of up to 70 tokens each.

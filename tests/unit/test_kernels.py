@@ -52,3 +52,44 @@ def test_without_a_compiler_the_problem_says_so(monkeypatch):
     monkeypatch.setattr(cpu, "_problems", {})
     assert cpu.compiler() is None
     assert cpu.load("linear") is None and cpu.problem("linear").startswith("no C compiler found")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_thread_count_gives_the_same_bits(dtype):
+    """The linear layers (split by column panels and, where panels are few, row blocks), the
+    row ops and attention (split by query blocks) on 1-4 threads, threads taking chunks in
+    whatever order they come: each output is computed by one thread in one fixed order, so
+    the bits never change. Shapes with few panels (576 outputs: 9) and many rows take the
+    row split; 1 and 5 rows do not."""
+    require_kernels(*ops.KERNELS)
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    w, b, norm_w = rnd(576, 200), rnd(576), rnd(576)
+    packed = ops.pack(w)
+    heads, kv_heads, D, bs = 6, 2, 64, 16
+    k_cache, v_cache = rnd(kv_heads, 40 * bs, D), rnd(kv_heads, 40 * bs, D)
+    table = torch.randperm(40, generator=g).to(torch.int32)[None]
+    cos, sin = torch.rand(600, D, generator=g), torch.rand(600, D, generator=g)
+    for rows in (1, 5, 300, 601):
+        x, res, gu = rnd(rows, 200), rnd(rows, 576), rnd(rows, 2 * 576)
+        q = rnd(rows, heads, D)
+        pos = torch.arange(rows) if rows <= 600 else torch.arange(rows) % 600
+
+        def run(threads):
+            r = res.clone()
+            normed = ops.add_rmsnorm(ops.linear(x, packed, 576, b, threads), r, True, norm_w, 1e-5, threads)
+            rot = q.clone()
+            ops.rope_(rot, pos, cos, sin, threads)
+            n = min(rows, 600)
+            attn = ops.paged_attention(rot[:n], k_cache, v_cache, table, torch.zeros(n, dtype=torch.int32), torch.arange(n), bs, D ** -0.5,
+                                       threads)
+            return [normed, r, rot, attn, ops.silu_mul(gu, threads)]
+
+        one = run(1)
+        for threads in (2, 3, 4):
+            for name, a, c in zip(("linear + norm", "residual", "rope", "attention", "silu_mul"), one, run(threads)):
+                assert torch.equal(_bits(a), _bits(c)), f"{name}, {rows} rows, {threads} threads"

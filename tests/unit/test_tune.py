@@ -32,3 +32,36 @@ def test_chat_wants_decode_replicas_and_long_prompts_want_prefill(tmp_path):
     best = lambda r: (r["splits"][0]["prefill"], r["splits"][0]["decode"])  # noqa: E731
     assert best(chat)[1] > best(chat)[0] and best(long)[0] > best(long)[1]
     assert "min_replicas: 3" in (tmp_path / "cluster-fragment.yaml").read_text()  # the last run's (long: 3 prefill)
+
+
+def test_colocated_alone_is_the_prefill_in_chunks_then_single_steps():
+    """One request at a time: its prompt runs in chunks of the budget (each a forward that
+    pays ``a`` and its chunk's share), its first token comes with the last chunk, and each
+    later token takes a batch-1 step."""
+    (a, b, c), (d, e) = fits = tune.fit(PROFILE)
+    spec = tune.serve.RequestSpec(700, 5)
+    ttft, tpot = tune.simulate_colocated([spec], 0.001, *fits, budget=512)
+    first, second = a + b * 512 + c * 512**2, a + b * 188 + c * (700**2 - 512**2)
+    assert abs(ttft[0] - (first + second)) < 1e-12
+    assert abs(tpot[0] - (d + e)) < 1e-12
+
+
+def test_colocated_decodes_share_each_step_with_the_next_prompt_chunk():
+    """Under load the steps hold both: a decoding request's TPOT includes its neighbours'
+    prompt chunks, so it rises with the rate, and the prediction's goodput falls with a
+    tighter TPOT SLO."""
+    specs = [tune.serve.RequestSpec(300, 40)] * 80
+    fits = tune.fit(PROFILE)
+    _, calm = tune.simulate_colocated(specs, 0.05, *fits)
+    _, busy = tune.simulate_colocated(specs, 2.0, *fits)
+    assert max(calm) < sorted(busy)[len(busy) // 2]
+    loose = tune.predicted_goodput(specs, 0, 512, *fits, ttft_slo=5.0, tpot_slo=1.0, target=0.9)
+    tight = tune.predicted_goodput(specs, 0, 512, *fits, ttft_slo=5.0, tpot_slo=0.1, target=0.9)
+    assert 0 < tight < loose
+
+
+def test_tune_predicts_colocated_from_a_profile_on_all_cores(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"1": PROFILE, "2": PROFILE}))
+    result = tune.main(["--profile", str(path), "--workers", "2", "--num-requests", "100", "--out", str(tmp_path)])
+    assert result["colocated"]["threads"] == 2 and result["colocated"]["predicted_goodput_rps"] > 0

@@ -15,6 +15,7 @@ bits alone, in any batch, whole or chunked, decoded or recomputed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,10 @@ class Backend(ABC):
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.num_threads = num_threads
+
+    def step_scope(self) -> AbstractContextManager:
+        """The context a whole step (forward and sampling) runs in (default: none)."""
+        return nullcontext()
 
     # -- step metadata -------------------------------------------------------------------------
     def prepare(self, batch: list[tuple[Any, int]]) -> StepMetadata:

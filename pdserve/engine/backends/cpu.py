@@ -10,6 +10,8 @@ step never mixes two numerics.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from pdserve.engine.backends.base import Backend, StepMetadata
@@ -25,6 +27,23 @@ def supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 class CpuBackend(Backend):
     name = "cpu"
+
+    @contextmanager
+    def step_scope(self):
+        """torch's own ops in a step (embedding, indexing, sampling) on this thread alone. The
+        kernels split their work on their own pool of ``num_threads``; torch's OpenMP workers,
+        left spinning after each of its parallel regions, would take the cores those need
+        (decode at batch 16, 2 threads, on the AVX512-BF16 EPYC: 39.0 ms a step with torch's
+        2 threads, 28.9 with its workers passive)."""
+        threads = torch.get_num_threads()
+        if threads == 1:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
         out = ops.paged_attention(q, self.kv_cache.k[layer], self.kv_cache.v[layer], meta.block_tables, meta.token_seq, meta.positions,
@@ -75,12 +94,12 @@ class CpuBackend(Backend):
     def add_rmsnorm(self, x, residual, weight, eps):
         if residual is None:
             residual = torch.empty_like(x)
-            return ops.add_rmsnorm(x, residual, False, weight, eps), residual
-        return ops.add_rmsnorm(x, residual, True, weight, eps), residual
+            return ops.add_rmsnorm(x, residual, False, weight, eps, self.num_threads), residual
+        return ops.add_rmsnorm(x, residual, True, weight, eps, self.num_threads), residual
 
     def rope_(self, x, positions, cos, sin):
-        ops.rope_(x, positions, cos, sin)
+        ops.rope_(x, positions, cos, sin, self.num_threads)
         return x
 
     def silu_mul(self, gate_up):
-        return ops.silu_mul(gate_up)
+        return ops.silu_mul(gate_up, self.num_threads)

@@ -6,7 +6,8 @@
 - ``attention.c``: paged causal attention over the KV pool, prompt chunks and decode alike.
 - ``decoder.c``: a step's decoder layers in one call over the three above (ops.py ``Decoder``).
 - ``kv_blocks.c``: block copies and checksums for the shm KV transfer backend.
-- ``simd.h``, ``parallel.h``: the vector abstraction (AVX-512, AVX2, portable) and thread split.
+- ``simd.h``, ``parallel.h``: the vector abstraction (AVX-512, AVX2, portable) and the thread
+  split (one pool of workers, the linear library's, shared by every library that splits work).
 - ``amx.h``, ``linear_amx.h``, ``attention_amx.h``: bf16 linear layers and attention on AMX
   tiles (Intel Sapphire Rapids and later), where the compiler targets AMX and Linux grants
   the tile state; ``PDSERVE_NO_AMX=1`` keeps the AVX512-BF16 paths.
@@ -56,9 +57,9 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
         "qlinear_bf16": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64]),
     },
     "pointwise": {
-        "add_rmsnorm": (None, [_ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _f, ctypes.c_int]),
-        "rope_inplace": (None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int]),
-        "silu_mul": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]),
+        "add_rmsnorm": (None, [_ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _f, ctypes.c_int, _i64]),
+        "rope_inplace": (None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _i64]),
+        "silu_mul": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int, _i64]),
     },
     "attention": {
         "paged_attention": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
@@ -142,6 +143,11 @@ def _load(name: str) -> ctypes.CDLL | None:
     for fn_name, (restype, argtypes) in _SIGNATURES[name].items():
         fn = getattr(lib, fn_name)
         fn.restype, fn.argtypes = restype, argtypes
+    if name != "linear" and hasattr(lib, "parallel_use"):  # one pool of workers for every kernel (parallel.h)
+        owner = load("linear")
+        if owner is not None:
+            lib.parallel_use.restype, lib.parallel_use.argtypes = None, [_ptr]
+            lib.parallel_use(ctypes.cast(owner.parallel_run, _ptr).value)
     return lib
 
 

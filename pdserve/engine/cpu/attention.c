@@ -32,6 +32,8 @@
 #define MAX_GROUP 32 /* query heads per KV head */
 #define MAX_D 256
 #define QB 32 /* query tokens per unit: a tile is widened once for all their rows */
+#define RB 4  /* rows per block of a prompt chunk (float32, AVX-512): each key and value vector loaded once for them */
+#define PV_RB RB
 
 /* exp(x) for 16 floats in place (simd.h's vexp; expf where there are no vectors). */
 static void exp16(float *x) {
@@ -91,19 +93,6 @@ static void transpose_keys(float *kt, const char *const *kr, int64_t n, int64_t 
     }
 }
 
-/* tile_scores' sums for many rows, keys in lanes: lane-class accumulators c_l (l = d mod 16)
- * over the transposed keys, then vsum()'s tree over l. Each key's sums are the very
- * operations tile_scores does for it, so the bits are the same. D % 16 == 0. */
-static inline void tile_scores_transposed(float *s, const float *q, const float *kt, int64_t D) {
-    __m512 c[16];
-    for (int l = 0; l < 16; l++) c[l] = _mm512_setzero_ps();
-    for (int64_t d0 = 0; d0 < D; d0 += 16)
-        for (int l = 0; l < 16; l++) c[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[d0 + l]), _mm512_loadu_ps(kt + (d0 + l) * KT), c[l]);
-    for (int l = 0; l < 8; l++) c[l] = _mm512_add_ps(c[l], c[l + 8]);
-    for (int l = 0; l < 4; l++) c[l] = _mm512_add_ps(c[l], c[l + 4]);
-    for (int l = 0; l < 2; l++) c[l] = _mm512_add_ps(c[l], c[l + 2]);
-    _mm512_storeu_ps(s, _mm512_add_ps(c[0], c[1]));
-}
 #endif
 
 /* s[j] = q . k_j for the tile's keys j < n (0 past n). Each is one vector accumulator over d
@@ -220,6 +209,116 @@ static void tile_scores3_full(float s[3][KT], const float *q0, const float *q1, 
 }
 #endif
 
+/* One row's online-softmax step over a tile (FlashAttention's recurrence, Dao et al. 2022,
+ * sec. 3.1): s[0 .. nr) are its scores (s has KT floats), m, l its running max and sum, acc its
+ * [D] accumulator. acc is rescaled where the max grew; s becomes the probabilities
+ * exp(s - m), zeros past nr. */
+static inline __attribute__((always_inline)) void softmax_row(float *s, int64_t nr, float *m, float *l, float *acc, int64_t D) {
+#if defined(__AVX512F__) && KT == 16
+    __mmask16 mk = (__mmask16)((1u << nr) - 1); /* in registers: lanes past nr masked out */
+    __m512 sv = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(s));
+    float mt = _mm512_reduce_max_ps(sv);
+#else
+    float mt = -INFINITY;
+    for (int64_t j = 0; j < nr; j++) mt = s[j] > mt ? s[j] : mt;
+#endif
+    float mn = *m > mt ? *m : mt;
+    if (*m != mn && *m != -INFINITY) { /* rescale what came before */
+        float alpha = expf(*m - mn);
+        *l *= alpha;
+        vf av = vset1(alpha);
+        int64_t d = 0;
+        for (; d + VL <= D; d += VL) vstore(acc + d, vmul(vload(acc + d), av));
+        for (; d < D; d++) acc[d] *= alpha;
+    }
+    *m = mn;
+#if defined(__AVX512F__) && KT == 16
+    __m512 e = _mm512_maskz_mov_ps(mk, vexp(_mm512_maskz_sub_ps(mk, sv, _mm512_set1_ps(mn))));
+    *l += _mm512_reduce_add_ps(e);
+    _mm512_storeu_ps(s, e);
+#else
+    for (int64_t j = 0; j < KT; j++) s[j] = j < nr ? s[j] - mn : 0.0f;
+    exp16(s);
+    for (int64_t j = 0; j < nr; j++) *l += s[j];
+#endif
+}
+
+/* acc_i[d] += sum over j < nr_i of p_i[j] v_j[d] for NR rows (NR a constant, so that their
+ * chains interleave), j in order for every element: each value vector is loaded once for the
+ * rows that take it. Every element's sum is the same chain of FMAs whatever NR, so the bits
+ * do not depend on which rows share the call. v: the tile's KT value rows in float32. */
+static inline __attribute__((always_inline)) void pv_rows(const int NR, float *const *p, const int64_t *nr, float *const *acc,
+                                                          const float *const *v, int64_t D) {
+    int64_t nmin = KT;
+    for (int i = 0; i < NR; i++) nmin = nr[i] < nmin ? nr[i] : nmin;
+    int64_t d = 0;
+    for (; d + 4 * VL <= D; d += 4 * VL) { /* four vectors a row: independent chains hide the FMA latency */
+        vf o[PV_RB][4];
+        for (int i = 0; i < NR; i++)
+            for (int k = 0; k < 4; k++) o[i][k] = vload(acc[i] + d + k * VL);
+        for (int64_t j = 0; j < nmin; j++) {
+            const float *vj = v[j] + d;
+            const vf v0 = vload(vj), v1 = vload(vj + VL), v2 = vload(vj + 2 * VL), v3 = vload(vj + 3 * VL);
+            for (int i = 0; i < NR; i++) {
+                const vf pj = vset1(p[i][j]);
+                o[i][0] = vfma(pj, v0, o[i][0]), o[i][1] = vfma(pj, v1, o[i][1]), o[i][2] = vfma(pj, v2, o[i][2]), o[i][3] = vfma(pj, v3, o[i][3]);
+            }
+        }
+        for (int i = 0; i < NR; i++) { /* a row's keys past the shortest row's (the diagonal tile) */
+            for (int64_t j = nmin; j < nr[i]; j++) {
+                const vf pj = vset1(p[i][j]);
+                const float *vj = v[j] + d;
+                o[i][0] = vfma(pj, vload(vj), o[i][0]), o[i][1] = vfma(pj, vload(vj + VL), o[i][1]);
+                o[i][2] = vfma(pj, vload(vj + 2 * VL), o[i][2]), o[i][3] = vfma(pj, vload(vj + 3 * VL), o[i][3]);
+            }
+            for (int k = 0; k < 4; k++) vstore(acc[i] + d + k * VL, o[i][k]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        float *ar = acc[i];
+        const float *s = p[i];
+        int64_t e = d;
+        for (; e + VL <= D; e += VL) {
+            vf o = vload(ar + e);
+            for (int64_t j = 0; j < nr[i]; j++) o = vfma(vset1(s[j]), vload(v[j] + e), o);
+            vstore(ar + e, o);
+        }
+        for (; e < D; e++)
+            for (int64_t j = 0; j < nr[i]; j++) ar[e] = fmaf(s[j], v[j][e], ar[e]);
+    }
+}
+
+#if defined(__AVX512F__)
+/* tile_scores' sums for NR rows at once (NR a constant), keys in lanes over the transposed
+ * keys kt: lane-class accumulators c_l (l = d mod 16, d in order) then vsum()'s tree over l
+ * (l + 8, + 4, + 2, + 1), evaluated depth first so that few classes are live, each kt vector
+ * loaded once for the NR rows. Each key's sums are the very operations tile_scores does for
+ * it (addition commutes), so the bits are the same. D % 16 == 0. */
+static inline __attribute__((always_inline)) void ts_cls(const int NR, __m512 *c, const float *const *q, const float *kt, int l, int64_t D) {
+    for (int r = 0; r < NR; r++) c[r] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        const __m512 k = _mm512_loadu_ps(kt + (d0 + l) * KT);
+        for (int r = 0; r < NR; r++) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d0 + l]), k, c[r]);
+    }
+}
+#define TS_LEVEL(name, lower, step)                                                                                                 \
+    static inline __attribute__((always_inline)) void name(const int NR, __m512 *o, const float *const *q, const float *kt, int l, \
+                                                           int64_t D) {                                                        \
+        __m512 a[RB], b[RB];                                                                                                    \
+        lower(NR, a, q, kt, l, D), lower(NR, b, q, kt, l + step, D);                                                           \
+        for (int r = 0; r < NR; r++) o[r] = _mm512_add_ps(a[r], b[r]);                                                          \
+    }
+TS_LEVEL(ts_t, ts_cls, 8) /* c_l + c_l+8 */
+TS_LEVEL(ts_u, ts_t, 4)   /* t_l + t_l+4 */
+TS_LEVEL(ts_v, ts_u, 2)   /* u_l + u_l+2 */
+TS_LEVEL(ts_s, ts_v, 1)   /* v_0 + v_1 */
+static inline __attribute__((always_inline)) void scores_transposed_rows(const int NR, float *const *s, const float *const *q, const float *kt, int64_t D) {
+    __m512 o[RB];
+    ts_s(NR, o, q, kt, 0, D);
+    for (int r = 0; r < NR; r++) _mm512_storeu_ps(s[r], o[r]);
+}
+#endif
+
 typedef struct {
     const void *q, *k, *v;
     void *out;
@@ -300,6 +399,33 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
 #endif
         float s3[3][KT];
         const int grouped = !transposed && VL == 16 && D % 16 == 0 && n == KT && G % 3 == 0;
+#if defined(__AVX512F__)
+        if (transposed) { /* RB rows at a time: each transposed key and each value loaded once for them */
+            for (int64_t r0 = 0; r0 < R; r0 += RB) {
+                float sb[RB][KT], *sl[RB], *al[RB];
+                const float *ql[RB];
+                int64_t nl[RB];
+                int live = 0;
+                for (int64_t r = r0; r < R && r < r0 + RB; r++) {
+                    const int64_t nr = rowpos[r] + 1 - j0 < KT ? rowpos[r] + 1 - j0 : KT; /* this row's keys in the tile */
+                    if (nr <= 0) continue;
+                    sl[live] = sb[live], al[live] = acc + r * D, ql[live] = q + r * D, nl[live] = nr, live++;
+                }
+                if (live == RB) scores_transposed_rows(RB, sl, ql, kt, D);
+                else
+                    for (int i = 0; i < live; i++) scores_transposed_rows(1, sl + i, ql + i, kt, D);
+                for (int i = 0; i < live; i++) {
+                    for (int64_t j = nl[i]; j < KT; j++) sl[i][j] = 0.0f;
+                    const int64_t r = (al[i] - acc) / D;
+                    softmax_row(sl[i], nl[i], m + r, l + r, al[i], D);
+                }
+                int i = 0;
+                if (live == RB) pv_rows(RB, sl, nl, al, vf32, D), i = RB;
+                for (; i < live; i++) pv_rows(1, sl + i, nl + i, al + i, vf32, D);
+                prefetch_rows(kn, vn, nn, &pf, np / 2 + np / 2 * (r0 + RB < R ? r0 + RB : R) / R, D * es);
+            }
+        } else
+#endif
         for (int64_t r = 0; r < R; r++) {
             int64_t p = rowpos[r], nr = p + 1 - j0 < KT ? p + 1 - j0 : KT; /* this row's keys in the tile */
             const float *qr = q + r * D;
@@ -308,61 +434,10 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
 #endif
             if (nr <= 0) continue;
             float *s = s3[r % 3];
-#if defined(__AVX512F__)
-            if (grouped) { /* s3[r % 3] was filled with its group */
-            } else if (transposed) {
-                tile_scores_transposed(s, qr, kt, D);
-                for (int64_t j = nr; j < KT; j++) s[j] = 0.0f;
-            } else
-#endif
-                tile_scores(s, qr, kr, nr, D, a->bf);
-#if defined(__AVX512F__) && KT == 16
-            /* the same steps in registers: lanes past nr masked out */
-            __mmask16 mk = (__mmask16)((1u << nr) - 1);
-            __m512 sv = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(s));
-            float mt = _mm512_reduce_max_ps(sv);
-#else
-            float mt = -INFINITY;
-            for (int64_t j = 0; j < nr; j++) mt = s[j] > mt ? s[j] : mt;
-#endif
-            float mn = m[r] > mt ? m[r] : mt;
+            if (!grouped) tile_scores(s, qr, kr, nr, D, a->bf); /* (grouped: s3[r % 3] was filled with its group) */
             float *ar = acc + r * D;
-            if (m[r] != mn && m[r] != -INFINITY) { /* rescale what came before */
-                float alpha = expf(m[r] - mn);
-                l[r] *= alpha;
-                vf av = vset1(alpha);
-                int64_t d = 0;
-                for (; d + VL <= D; d += VL) vstore(ar + d, vmul(vload(ar + d), av));
-                for (; d < D; d++) ar[d] *= alpha;
-            }
-            m[r] = mn;
-#if defined(__AVX512F__) && KT == 16
-            __m512 e = _mm512_maskz_mov_ps(mk, vexp(_mm512_maskz_sub_ps(mk, sv, _mm512_set1_ps(mn))));
-            l[r] += _mm512_reduce_add_ps(e);
-            _mm512_storeu_ps(s, e);
-#else
-            for (int64_t j = 0; j < KT; j++) s[j] = j < nr ? s[j] - mn : 0.0f;
-            exp16(s);
-            for (int64_t j = 0; j < nr; j++) l[r] += s[j];
-#endif
-            int64_t d = 0;
-            for (; d + 4 * VL <= D; d += 4 * VL) { /* four independent chains: the FMA latency hides */
-                vf o0 = vload(ar + d), o1 = vload(ar + d + VL), o2 = vload(ar + d + 2 * VL), o3 = vload(ar + d + 3 * VL);
-                for (int64_t j = 0; j < nr; j++) {
-                    vf pj = vset1(s[j]);
-                    const float *vj = vf32[j] + d;
-                    o0 = vfma(pj, vload(vj), o0), o1 = vfma(pj, vload(vj + VL), o1);
-                    o2 = vfma(pj, vload(vj + 2 * VL), o2), o3 = vfma(pj, vload(vj + 3 * VL), o3);
-                }
-                vstore(ar + d, o0), vstore(ar + d + VL, o1), vstore(ar + d + 2 * VL, o2), vstore(ar + d + 3 * VL, o3);
-            }
-            for (; d + VL <= D; d += VL) {
-                vf o = vload(ar + d);
-                for (int64_t j = 0; j < nr; j++) o = vfma(vset1(s[j]), vload(vf32[j] + d), o);
-                vstore(ar + d, o);
-            }
-            for (; d < D; d++)
-                for (int64_t j = 0; j < nr; j++) ar[d] = fmaf(s[j], vf32[j][d], ar[d]);
+            softmax_row(s, nr, m + r, l + r, ar, D);
+            pv_rows(1, &s, &nr, &ar, vf32, D);
             prefetch_rows(kn, vn, nn, &pf, np / 2 + np / 2 * (r + 1) / R, D * es);
         }
         prefetch_rows(kn, vn, nn, &pf, np, D * es);

@@ -16,9 +16,9 @@
 #include <stdlib.h>
 
 typedef void (*linear_fn)(const void *, int64_t, int64_t, int64_t, const void *, int64_t, const void *, void *, int64_t, int64_t);
-typedef void (*norm_fn)(const void *, int64_t, void *, int64_t, int, const void *, void *, int64_t, int64_t, int64_t, float, int);
-typedef void (*rope_fn)(void *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *, const float *, int);
-typedef void (*silu_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int);
+typedef void (*norm_fn)(const void *, int64_t, void *, int64_t, int, const void *, void *, int64_t, int64_t, int64_t, float, int, int64_t);
+typedef void (*rope_fn)(void *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *, const float *, int, int64_t);
+typedef void (*silu_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int, int64_t);
 typedef int (*attn_fn)(const void *, int64_t, int64_t, int64_t, int64_t, int64_t, void *, void *, int64_t, const void *, const void *,
                        int64_t, const int64_t *, const int32_t *, int64_t, const int32_t *, const int64_t *, int64_t, float, void *, int,
                        int64_t);
@@ -51,16 +51,16 @@ int decoder_layers(const decoder_model *m, void *h, void *res, int64_t N, const 
     int rc = 0;
     for (int64_t l = 0; l < m->layers && rc == 0; l++) {
         const void *const *w = m->weights + 12 * l;
-        m->add_rmsnorm(h, H, res, H, l > 0, w[8], x, H, N, H, m->eps, (int)m->bf);
+        m->add_rmsnorm(h, H, res, H, l > 0, w[8], x, H, N, H, m->eps, (int)m->bf, m->nthreads);
         m->linear(x, N, H, H, w[0], QKV, w[1], qkv, QKV, m->nthreads);
-        m->rope(qkv, N, m->heads + m->kv_heads, D, QKV, D, positions, m->cos, m->sin, (int)m->bf);
+        m->rope(qkv, N, m->heads + m->kv_heads, D, QKV, D, positions, m->cos, m->sin, (int)m->bf, m->nthreads);
         rc = m->attention(qkv, N, QKV, m->heads, m->kv_heads, D, (void *)w[10], (void *)w[11], m->kv_head_stride, qkv + O * es,
                           qkv + (O + m->kv_heads * D) * es, QKV, slots, block_tables, max_blocks, token_seq, positions, m->block_size,
                           m->scale, o, (int)m->bf, m->nthreads);
         m->linear(o, N, O, O, w[2], H, w[3], t, H, m->nthreads);
-        m->add_rmsnorm(t, H, res, H, 1, w[9], x, H, N, H, m->eps, (int)m->bf);
+        m->add_rmsnorm(t, H, res, H, 1, w[9], x, H, N, H, m->eps, (int)m->bf, m->nthreads);
         m->linear(x, N, H, H, w[4], 2 * I, w[5], gu, 2 * I, m->nthreads);
-        m->silu_mul(gu, 2 * I, act, I, N, I, (int)m->bf);
+        m->silu_mul(gu, 2 * I, act, I, N, I, (int)m->bf, m->nthreads);
         m->linear(act, N, I, I, w[6], H, w[7], h, H, m->nthreads);
     }
     free(mem);

@@ -48,6 +48,7 @@ typedef struct {
     const void *x, *w, *bias;
     void *y;
     int64_t M, K, N, ldx, ldy;
+    int64_t mb, blocks; /* rows per row block (a multiple of MR), row blocks per panel */
 } linear_args;
 
 
@@ -152,26 +153,31 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
 #define CASE(TILE, R) \
     case R: TILE(xp, a->ldx, wp, a->K, bp, yp, a->ldy, ncols, R); break;
 
-/* Every row tile of x against the panel wp (columns n .. n + ncols). */
-#define ROW_TILES(TILE, T)                                                                          \
-    for (int64_t m = 0; m < a->M; m += MR) {                                                        \
+/* Every row tile of x in rows [m0, m1) against the panel wp (columns n .. n + ncols). */
+#define ROW_TILES_IN(TILE, T, m0, m1)                                                               \
+    for (int64_t m = (m0); m < (m1); m += MR) {                                                     \
         const T *xp = (const T *)a->x + m * a->ldx;                                                 \
         T *yp = (T *)a->y + m * a->ldy + n;                                                         \
-        switch (a->M - m < MR ? (int)(a->M - m) : MR) {                                             \
+        switch ((m1) - m < MR ? (int)((m1) - m) : MR) {                                             \
             CASE(TILE, 1) CASE(TILE, 2) CASE(TILE, 3) CASE(TILE, 4) CASE(TILE, 5)                   \
             default: TILE(xp, a->ldx, wp, a->K, bp, yp, a->ldy, ncols, MR);                         \
             break;                                                                                  \
         }                                                                                           \
     }
+#define ROW_TILES(TILE, T) ROW_TILES_IN(TILE, T, 0, a->M)
 
+/* Units u in [begin, end): panel u / blocks, row block u % blocks (consecutive units share a
+ * panel, which stays in cache). Which unit a thread takes changes no output's sum. */
 #define RANGE(NAME, TILE, T, PANEL_NUMEL)                                                           \
-    static void NAME(const void *args, int64_t p_begin, int64_t p_end) {                            \
+    static void NAME(const void *args, int64_t begin, int64_t end) {                                \
         const linear_args *a = (const linear_args *)args;                                           \
-        for (int64_t p = p_begin; p < p_end; p++) {                                                 \
+        for (int64_t u = begin; u < end; u++) {                                                     \
+            const int64_t p = u / a->blocks, m0 = u % a->blocks * a->mb;                            \
+            const int64_t m1 = m0 + a->mb < a->M ? m0 + a->mb : a->M;                               \
             int64_t n = p * NP, ncols = a->N - n < NP ? a->N - n : NP;                              \
             const T *wp = (const T *)a->w + p * (PANEL_NUMEL);                                      \
             const T *bp = a->bias ? (const T *)a->bias + n : 0;                                     \
-            ROW_TILES(TILE, T)                                                                      \
+            ROW_TILES_IN(TILE, T, m0, m1)                                                           \
         }                                                                                           \
     }
 
@@ -261,12 +267,29 @@ void qlinear_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const ui
     split_panels(qrange_bf16, &a, nthreads);
 }
 
+/* Units of work for nthreads: each panel's rows in `blocks` row blocks of `mb` rows (a
+ * multiple of MR), enough of them that the threads' shares come out even (a layer of 576
+ * outputs has 9 panels: 5 and 4 over two threads, a prefill's 256 rows split give 1.8x ->
+ * about 2x), none smaller than a few tiles. */
+static void split_rows(linear_args *a, int64_t nthreads) {
+    const int64_t panels = (a->N + NP - 1) / NP, want = 16 * nthreads, min_rows = 4 * MR;
+    int64_t blocks = nthreads > 1 && panels < want ? (want + panels - 1) / panels : 1;
+    if (blocks > (a->M + min_rows - 1) / min_rows) blocks = (a->M + min_rows - 1) / min_rows;
+    if (blocks < 1) blocks = 1;
+    a->mb = ((a->M + blocks - 1) / blocks + MR - 1) / MR * MR;
+    a->blocks = (a->M + a->mb - 1) / a->mb;
+}
+
+#define split_units(fn, a, nthreads)                                                                   \
+    parallel_ranges(fn, a, ((a)->N + NP - 1) / NP * (a)->blocks, 1, (a)->M * (a)->N * (a)->K < (1 << 18) ? 1 : (nthreads))
+
 /* x: [M, K] (row stride ldx elements); wp: packed [N, K] (linear_pack_*); bias: [N] or NULL;
- * y: [M, N] (row stride ldy). nthreads >= 1 split the panels. */
+ * y: [M, N] (row stride ldy). nthreads >= 1 split the panels and, where there are few, the rows. */
 void linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp, int64_t N, const float *bias, float *y,
                 int64_t ldy, int64_t nthreads) {
-    linear_args a = {x, wp, bias, y, M, K, N, ldx, ldy};
-    split_panels(range_f32, &a, nthreads);
+    linear_args a = {x, wp, bias, y, M, K, N, ldx, ldy, M, 1};
+    split_rows(&a, nthreads);
+    split_units(range_f32, &a, nthreads);
 }
 
 void linear_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N, const uint16_t *bias,
@@ -277,8 +300,9 @@ void linear_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uin
         return;
     }
 #endif
-    linear_args a = {x, wp, bias, y, M, K, N, ldx, ldy};
-    split_panels(range_bf16, &a, nthreads);
+    linear_args a = {x, wp, bias, y, M, K, N, ldx, ldy, M, 1};
+    split_rows(&a, nthreads);
+    split_units(range_bf16, &a, nthreads);
 }
 
 /* The path the kernels take for a dtype (bf != 0: bf16): "amx_bf16" for bf16 where AMX is

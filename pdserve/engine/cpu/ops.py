@@ -67,29 +67,30 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return out
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, add: bool, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, add: bool, weight: torch.Tensor, eps: float, num_threads: int = 1) -> torch.Tensor:
     """x, residual: [M, H] (residual contiguous, updated in place: residual + x, or x when
-    ``add`` is False); weight: [H]. Returns RMSNorm(residual) * weight: [M, H]."""
+    ``add`` is False); weight: [H]. Returns RMSNorm(residual) * weight: [M, H]. Rows split
+    among ``num_threads`` (each row's bits are the same)."""
     M, H = x.shape
     out = torch.empty((M, H), dtype=x.dtype)
     _lib("pointwise").add_rmsnorm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), int(add), weight.data_ptr(),
-                                  out.data_ptr(), H, M, H, eps, _bf(x))
+                                  out.data_ptr(), H, M, H, eps, _bf(x), num_threads)
     return out
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads: int = 1) -> None:
     """Rotary embedding in place. x: [T, heads, D] (head dim contiguous, other strides free);
-    positions: [T] int64; cos, sin: [max_position, D] float32."""
+    positions: [T] int64; cos, sin: [max_position, D] float32. Tokens split among ``num_threads``."""
     T, heads, D = x.shape
     _lib("pointwise").rope_inplace(x.data_ptr(), T, heads, D, x.stride(0), x.stride(1), positions.data_ptr(), cos.data_ptr(),
-                                   sin.data_ptr(), _bf(x))
+                                   sin.data_ptr(), _bf(x), num_threads)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [M, 2I] (gate then up). Returns silu(gate) * up: [M, I]."""
+def silu_mul(gate_up: torch.Tensor, num_threads: int = 1) -> torch.Tensor:
+    """gate_up: [M, 2I] (gate then up). Returns silu(gate) * up: [M, I]. Rows split among ``num_threads``."""
     M, two_i = gate_up.shape
     out = torch.empty((M, two_i // 2), dtype=gate_up.dtype)
-    _lib("pointwise").silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), two_i // 2, M, two_i // 2, _bf(gate_up))
+    _lib("pointwise").silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), two_i // 2, M, two_i // 2, _bf(gate_up), num_threads)
     return out
 
 

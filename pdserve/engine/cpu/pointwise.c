@@ -32,14 +32,22 @@ static float sum_squares(const void *row, int64_t n, int bf) {
     return s;
 }
 
-/* For each of M rows of H: residual += x (rounded to the dtype, as HF's bf16 add), unless
- * add == 0, then residual = x; out = weight * (residual * rsqrt(mean(residual^2) + eps))
- * with HF LlamaRMSNorm's two roundings in bf16 (the normalised row, then the product).
- * x, residual, out: [M, H] with row strides ldx, ldr, ldo elements; weight: [H]. */
-void add_rmsnorm(const void *x, int64_t ldx, void *residual, int64_t ldr, int add, const void *weight, void *out, int64_t ldo,
-                 int64_t M, int64_t H, float eps, int bf) {
-    int64_t es = bf ? 2 : 4;
-    for (int64_t m = 0; m < M; m++) {
+typedef struct {
+    const void *x, *weight;
+    void *residual, *out;
+    int64_t ldx, ldr, ldo, H;
+    float eps;
+    int add, bf;
+} norm_args;
+
+static void add_rmsnorm_rows(const void *args, int64_t begin, int64_t end) {
+    const norm_args *a = (const norm_args *)args;
+    const void *x = a->x, *weight = a->weight;
+    void *residual = a->residual, *out = a->out;
+    const int64_t ldx = a->ldx, ldr = a->ldr, ldo = a->ldo, H = a->H, es = a->bf ? 2 : 4;
+    const float eps = a->eps;
+    const int add = a->add, bf = a->bf;
+    for (int64_t m = begin; m < end; m++) {
         const char *xr = (const char *)x + m * ldx * es;
         char *rr = (char *)residual + m * ldr * es, *orow = (char *)out + m * ldo * es;
         int64_t i = 0; /* vectors, then the tail: the same operations per element */
@@ -59,16 +67,43 @@ void add_rmsnorm(const void *x, int64_t ldx, void *residual, int64_t ldr, int ad
     }
 }
 
+/* Rows a thread takes at least: below this a row op is not worth waking the pool for. */
+#define ROWS_PER_THREAD 32
+
+/* For each of M rows of H: residual += x (rounded to the dtype, as HF's bf16 add), unless
+ * add == 0, then residual = x; out = weight * (residual * rsqrt(mean(residual^2) + eps))
+ * with HF LlamaRMSNorm's two roundings in bf16 (the normalised row, then the product).
+ * x, residual, out: [M, H] with row strides ldx, ldr, ldo elements; weight: [H]. Rows are
+ * split among nthreads (each row by one thread: the same bits). */
+void add_rmsnorm(const void *x, int64_t ldx, void *residual, int64_t ldr, int add, const void *weight, void *out, int64_t ldo,
+                 int64_t M, int64_t H, float eps, int bf, int64_t nthreads) {
+    norm_args a = {x, weight, residual, out, ldx, ldr, ldo, H, eps, add, bf};
+    parallel_ranges(add_rmsnorm_rows, &a, M, ROWS_PER_THREAD, nthreads);
+}
+
 /* Rotary embedding in place (HF's rotate_half form, as Llama and Qwen2 use):
  * x[t, h, i] for i < D/2 becomes x_i cos_i - x_{i+D/2} sin_i; x[t, h, i + D/2] becomes
  * x_{i+D/2} cos_{i+D/2} + x_i sin_{i+D/2}; each product rounded to float32 before the sum (built
  * with -ffp-contract=off), as torch's two multiplies and an add (bf16: one rounding at the end).
  * x: [T, heads, D] with token stride ldt and head stride ldh elements; positions: [T];
- * cos, sin: [max_position, D] float32 (HF's rotary table, attention scaling included). */
-void rope_inplace(void *x, int64_t T, int64_t heads, int64_t D, int64_t ldt, int64_t ldh, const int64_t *positions,
-                  const float *cos_t, const float *sin_t, int bf) {
-    int64_t half = D / 2, es = bf ? 2 : 4;
-    for (int64_t t = 0; t < T; t++) {
+ * cos, sin: [max_position, D] float32 (HF's rotary table, attention scaling included).
+ * Tokens are split among nthreads. */
+typedef struct {
+    void *x;
+    const int64_t *positions;
+    const float *cos_t, *sin_t;
+    int64_t heads, D, ldt, ldh;
+    int bf;
+} rope_args;
+
+static void rope_rows(const void *args, int64_t begin, int64_t end) {
+    const rope_args *a = (const rope_args *)args;
+    void *x = a->x;
+    const int64_t *positions = a->positions;
+    const float *cos_t = a->cos_t, *sin_t = a->sin_t;
+    const int64_t heads = a->heads, D = a->D, ldt = a->ldt, ldh = a->ldh, half = D / 2, es = a->bf ? 2 : 4;
+    const int bf = a->bf;
+    for (int64_t t = begin; t < end; t++) {
         const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
         for (int64_t h = 0; h < heads; h++) {
             char *row = (char *)x + (t * ldt + h * ldh) * es;
@@ -90,6 +125,12 @@ void rope_inplace(void *x, int64_t T, int64_t heads, int64_t D, int64_t ldt, int
     }
 }
 
+void rope_inplace(void *x, int64_t T, int64_t heads, int64_t D, int64_t ldt, int64_t ldh, const int64_t *positions,
+                  const float *cos_t, const float *sin_t, int bf, int64_t nthreads) {
+    rope_args a = {x, positions, cos_t, sin_t, heads, D, ldt, ldh, bf};
+    parallel_ranges(rope_rows, &a, T, ROWS_PER_THREAD, nthreads);
+}
+
 /* VL outputs: silu(g) * u with silu(g) = g / (1 + exp(-g)) (simd.h's vexp); bf16 rounds
  * silu(g) then the product, as HF. */
 static inline vf silu_mul_v(vf g, vf u, int bf) {
@@ -100,10 +141,22 @@ static inline vf silu_mul_v(vf g, vf u, int bf) {
 
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: gate and up side by side (the fused gate-up
  * linear's output). A row's tail short of VL goes through a zero-padded vector, so every
- * element takes the same operations. gu: [M, 2I] row stride ldg; out: [M, I] row stride ldo. */
-void silu_mul(const void *gu, int64_t ldg, void *out, int64_t ldo, int64_t M, int64_t I, int bf) {
-    int64_t es = bf ? 2 : 4;
-    for (int64_t m = 0; m < M; m++) {
+ * element takes the same operations. gu: [M, 2I] row stride ldg; out: [M, I] row stride ldo.
+ * Rows are split among nthreads. */
+typedef struct {
+    const void *gu;
+    void *out;
+    int64_t ldg, ldo, I;
+    int bf;
+} silu_args;
+
+static void silu_mul_rows(const void *args, int64_t begin, int64_t end) {
+    const silu_args *a = (const silu_args *)args;
+    const void *gu = a->gu;
+    void *out = a->out;
+    const int64_t ldg = a->ldg, ldo = a->ldo, I = a->I, es = a->bf ? 2 : 4;
+    const int bf = a->bf;
+    for (int64_t m = begin; m < end; m++) {
         const char *g = (const char *)gu + m * ldg * es;
         char *o = (char *)out + m * ldo * es;
         int64_t i = 0;
@@ -115,6 +168,11 @@ void silu_mul(const void *gu, int64_t ldg, void *out, int64_t ldo, int64_t M, in
             for (int64_t j = 0; j < I - i; j++) st(o, i + j, r[j], bf);
         }
     }
+}
+
+void silu_mul(const void *gu, int64_t ldg, void *out, int64_t ldo, int64_t M, int64_t I, int bf, int64_t nthreads) {
+    silu_args a = {gu, out, ldg, ldo, I, bf};
+    parallel_ranges(silu_mul_rows, &a, M, ROWS_PER_THREAD, nthreads);
 }
 
 const char *pointwise_isa(void) { return simd_isa(); }
