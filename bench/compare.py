@@ -271,7 +271,7 @@ def workload_specs(args, n: int = 400) -> list[serve.RequestSpec]:
     return [serve.RequestSpec(rng.randint(i0, i1), max(1, rng.randint(o0, o1))) for _ in range(n)]
 
 
-def engine_profiles(args, cores: int) -> dict:
+def engine_profiles(args, cores: int, dtype: str) -> dict:
     """The tuner's profiles ({"1": ..., str(cores): ...}), each in a process of its own with
     nothing else running: prefill at 64-1,024 tokens and decode steps at batch 1-32."""
     ctx = int(args.input_len + args.output_len / 2)
@@ -279,7 +279,7 @@ def engine_profiles(args, cores: int) -> dict:
     for threads in sorted({1, cores}):
         code = ("import json, sys; from bench import tune; print(json.dumps(tune.profile('smollm2', sys.argv[1], [64, 256, 512, 1024], "
                 f"[1, 4, 16, 32], {ctx}, {threads})))")
-        done = subprocess.run([sys.executable, "-c", code, args.dtype_resolved], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        done = subprocess.run([sys.executable, "-c", code, dtype], cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if done.returncode:
             raise RuntimeError(f"profiling on {threads} thread(s) failed: {done.stderr[-2000:]}")
         profiles[str(threads)] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -354,11 +354,10 @@ def main(argv: list[str] | None = None) -> dict:
               "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
                            "greedy": True, "ignore_eos": True, "arrivals": "poisson"},
               "attainment_target": args.attainment, "slo_scale": args.slo_scale, "systems": {}}
-    args.dtype_resolved = dtype
     profiles = None
     if args.predict:
         print(f"== profiling the engine for the tuner's predictions (1 and {cores} threads)", flush=True)
-        profiles = engine_profiles(args, cores)
+        profiles = engine_profiles(args, cores, dtype)
         result["tuner_profiles"] = profiles
     write = lambda: (out / "compare.json").write_text(json.dumps(result, indent=2))  # noqa: E731 - after every system
     systems: list = []
