@@ -122,7 +122,7 @@ class DecodeServer:
         stuck in a step (``max_step_s``; the router migrates the request), TimeoutError
         if a token takes longer than max_step_s + STEP_DEADLINE_S.
         """
-        request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
+        request.params.validate(len(request.prompt_ids), self.engine.max_model_len, self.engine.vocab_size)
         if request.request_id in self._aborted:  # the router gave up on it already (abort); it releases prefill's KV
             return
         inner = self._generate(request)

@@ -86,7 +86,7 @@ def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] |
                   prompt_token_ids: list[int] | None = None, request_id: str = "", model: str = "", **params) -> pb.GenerateRequest:
     """``params``: SamplingParams fields (max_tokens, temperature, top_p, top_k, seed,
     min_tokens, stop, stop_token_ids, ignore_eos, logprobs, repetition_penalty, presence_penalty,
-    frequency_penalty). Raises ValueError for an
+    frequency_penalty, min_p, and logit_bias as {token id: bias}). Raises ValueError for an
     unknown one or a value out of its field's range (``seed`` is an int64, ``max_tokens`` an int32,
     the float ones float32: a nonzero value that would arrive as 0 or inf is refused), TypeError
     naming the parameter for a value of the wrong type."""

@@ -20,6 +20,7 @@ MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRING_CHARS = 256
 MAX_ADDITIVE_PENALTY = 2.0  # presence/frequency penalties in [-2, 2], as OpenAI and vLLM allow
+MAX_LOGIT_BIAS = 100.0  # |bias| at most this, as OpenAI allows (vLLM's OpenAI server clamps to it)
 
 
 @dataclass
@@ -41,6 +42,12 @@ class SamplingParams:
     frequency_penalty ([-2, 2], 0 = off): minus this times the token's count in the output.
     presence_penalty ([-2, 2], 0 = off): minus this once for a token in the output.
     Reported logprobs stay those of the raw logits, as vLLM reports by default.
+
+    logit_bias ({token id: bias}, |bias| <= 100): added to the raw logits before the
+    penalties, so it moves a greedy argmax too (vLLM v1's order: ``vllm/v1/sample/sampler.py``).
+    min_p ([0, 1], 0 = off): after temperature, a token whose probability is below min_p times
+    the most likely token's is dropped, before top-k and top-p (vLLM's ``MinPLogitsProcessor``);
+    greedy ignores it, as it cannot change the argmax.
     """
 
     max_tokens: int = 16
@@ -56,16 +63,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def validate(self, num_prompt_tokens: int, max_model_len: int) -> None:
+    def validate(self, num_prompt_tokens: int, max_model_len: int, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field.
 
-        The router and both workers call this with the same max_model_len, so a
-        request the router accepts is never refused later.
+        The router and both workers call this with the same max_model_len and vocab_size
+        (logits per row; None skips the logit_bias ids' upper bound), so a request the router
+        accepts is never refused later.
         """
         if num_prompt_tokens < 1:
             raise InvalidRequestError("prompt is empty: it must have at least 1 token")
@@ -93,6 +103,15 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_ADDITIVE_PENALTY <= getattr(self, name) <= MAX_ADDITIVE_PENALTY:  # NaN fails too
                 raise InvalidRequestError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidRequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if vocab_size is not None and token >= vocab_size:
+                raise InvalidRequestError(f"logit_bias has {token}, outside the vocabulary of {vocab_size}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
+                raise InvalidRequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
 
@@ -133,7 +152,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int, num_gene
     unless ignore_eos) and the stop tokens cannot be picked. token_ids /
     num_prompt_tokens: the sequence so far and its prompt's length, which the penalties
     read (``apply_penalties``); needed only when ``params.has_penalties``.
+    Order as vLLM v1's sampler: logit bias, penalties, min_tokens' bans, then greedy argmax or
+    temperature, min-p, top-k, top-p and a draw.
     """
+    if params.logit_bias:
+        logits = logits.float().clone()
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
     if params.has_penalties:
         if token_ids is None:
             raise ValueError("penalties need the sequence's token_ids")
@@ -146,6 +171,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int, num_gene
     if params.temperature < GREEDY_BELOW_TEMPERATURE:  # 0, or so small that logits/T overflows
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), -math.inf)
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)

@@ -83,7 +83,7 @@ class PrefillServer:
 
     def _sequence(self, request: PrefillRequest) -> Sequence:
         """Raises InvalidRequestError for a request that breaks the shared limits."""
-        request.params.validate(len(request.prompt_ids), self.engine.max_model_len)
+        request.params.validate(len(request.prompt_ids), self.engine.max_model_len, self.engine.vocab_size)
         return Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params, stop_after_first_token=True)
 
     def _result(self, seq: Sequence, finish_reason: str | None, handle, start: float) -> PrefillResult:

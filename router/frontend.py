@@ -73,4 +73,4 @@ class Frontend:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The checks every request gets, gRPC or HTTP."""
         self.check_token_ids("stop_token_ids", list(params.stop_token_ids))
-        params.validate(len(prompt_ids), self.max_model_len)
+        params.validate(len(prompt_ids), self.max_model_len, self.vocab_size)

@@ -5,7 +5,8 @@ Served by the router deployment as a FastAPI ingress on Ray Serve's HTTP proxy
 ``/v1/chat/completions``, ``/v1/models``, ``/health``. Shapes follow the OpenAI API
 reference (https://platform.openai.com/docs/api-reference); sampling extensions that
 vLLM also accepts (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``repetition_penalty``) pass through. A parameter pdserve does not implement is accepted
+``repetition_penalty``, ``min_p``) pass through; ``logit_bias`` takes token ids as strings, as
+OpenAI's does, each bias clamped to [-100, 100] as vLLM's server does. A parameter pdserve does not implement is accepted
 at its neutral value (what OpenAI does when it is left out: ``response_format`` text,
 no ``tools``, ``tool_choice: "none"``, ``n: 1``, ...), as OpenAI and vLLM accept it and
 client libraries send it by default; set to anything else, it is refused with a 400
@@ -15,6 +16,7 @@ naming it, never silently ignored.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -25,7 +27,7 @@ from ray.serve.exceptions import BackPressureError
 
 from pdserve.errors import (AuthenticationError, CapacityError, InvalidRequestError, KVAuthError, KVIncompatibleError, KVTransferError,
                             RequestTooLargeError, ShuttingDownError, WorkerStalledError)
-from pdserve.sampling import MAX_LOGPROBS, SamplingParams
+from pdserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -80,14 +82,25 @@ class _Common(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Parameters set to something pdserve does not implement, and unknown ones."""
-        bad = [name for name, neutral in (("n", 1), ("min_p", 0.0)) if getattr(self, name) not in (None, neutral)]
-        bad += ["logit_bias"] if self.logit_bias else []
+        bad = ["n"] if self.n not in (None, 1) else []
         bad += [f"stream_options.{k}" for k in (self.stream_options.model_extra or {})] if self.stream_options else []
         extra = self.model_extra or {}
         return bad + sorted(k for k, v in extra.items() if k not in IGNORED_FIELDS and not _neutral(k, v, extra))
 
     def num_logprobs(self) -> int | None:
         return None
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's {"token id": bias} as {id: bias}, clamped to [-100, 100] as vLLM's server
+        does (a NaN stays, for SamplingParams.validate to refuse)."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias key {key!r} is not a token id") from None
+            out[token] = bias if math.isnan(bias) else min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias))
+        return out
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -96,8 +109,8 @@ class _Common(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
-            min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(),
-            **{name: getattr(self, name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+            min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(), logit_bias=self._logit_bias(),
+            **{name: getattr(self, name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
                if getattr(self, name) is not None},
         )
 

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 # pb.SamplingParams' optional fields, each passed on to SamplingParams when set
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs",
-                    "repetition_penalty", "presence_penalty", "frequency_penalty")
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
 
 
 def _logprob_pb(lp) -> pb.TokenLogprob:
@@ -123,7 +123,7 @@ class Router:
 
     def _params(self, p: pb.SamplingParams) -> SamplingParams:
         return SamplingParams(
-            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, stop=tuple(p.stop),
+            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, stop=tuple(p.stop), logit_bias=dict(p.logit_bias),
             **{name: getattr(p, name) for name in _OPTIONAL_PARAMS if p.HasField(name)},
         )
 

@@ -60,6 +60,7 @@ class Engine:
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.vocab_size = model.config.vocab_size  # logits per row
         self.kv_spec = KVSpec.from_model_config(model.config, model.dtype)
         self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device, kv_memory)
         device = self.kv_cache.device

@@ -435,6 +435,8 @@ def test_openai_stop_string_is_not_returned(oai):
     ({"prompt": ""}, "prompt is empty"),
     ({"logprobs": 50}, "logprobs must be in"),
     ({"echo": True}, "unsupported parameter"),
+    ({"extra_body": {"logit_bias": {"99999999": 1.0}}}, "logit_bias has 99999999, outside the vocabulary"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p must be in"),
 ])
 def test_openai_bad_input_is_a_400_in_openai_shape(oai, kwargs, message):
     import openai
@@ -460,6 +462,26 @@ def test_penalties_equal_the_reference_across_the_handoff(cluster, oai, referenc
     assert got.token_ids == want
     done = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0,
                                   extra_body={"ignore_eos": True, "frequency_penalty": 2.0, "presence_penalty": 1.5})
+    assert done.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_logit_bias_equals_the_reference_across_the_handoff(cluster, oai, reference):
+    """A bias that moves the first token (prefill samples it) and later ones (decode does)
+    gives HF generate's ids with the same ``sequence_bias``, over gRPC and HTTP."""
+    from transformers import GenerationConfig
+
+    model, tokenizer = reference
+    prompt = text_prompt(tokenizer, 40)
+    plain = reference_generate(model, prompt, 16, ignore_eos=True)
+    bias = {plain[0]: -100.0, plain[4]: -5.0}
+    input_ids = torch.tensor([prompt])
+    config = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=[], pad_token_id=0, sequence_bias={(t,): b for t, b in bias.items()})
+    with torch.no_grad():
+        want = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)[0, len(prompt):].tolist()
+    assert want[0] != plain[0]
+    assert cluster.generate(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True, logit_bias=bias).token_ids == want
+    done = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0, logit_bias={str(t): b for t, b in bias.items()},
+                                  extra_body={"ignore_eos": True})
     assert done.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
 
 

@@ -141,6 +141,10 @@ def test_a_mistyped_sampling_parameter_is_named_and_one_stop_string_stays_whole(
     assert build_request("hi", temperature=0.0, top_p=1e-30).params.temperature == 0.0
     assert list(build_request("hi", stop="abc").params.stop) == ["abc"]
     assert list(build_request("hi", stop=["a", "bc"]).params.stop) == ["a", "bc"]
+    sent = build_request("hi", logit_bias={5: -100.0, 7: 2.5}, min_p=0.25).params
+    assert dict(sent.logit_bias) == {5: -100.0, 7: 2.5} and sent.min_p == 0.25
+    with pytest.raises(TypeError, match="logit_bias="):  # OpenAI's string keys are for HTTP; the SDK takes ids
+        build_request("hi", logit_bias={"5": 1.0})
 
 
 class Slow(pb_grpc.GeneratorServicer):

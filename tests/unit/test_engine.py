@@ -497,6 +497,34 @@ def test_large_pool_tensors_sit_on_huge_pages_and_hold_zeros():
     assert huge_pages.gather(tiny)[0] is tiny[0]  # below MIN_BYTES: as they are
 
 
+def test_logit_bias_equals_generates_sequence_bias_and_min_p_rows_do_not_depend_on_the_batch():
+    """Greedy with logit_bias equals HF generate with the same biases (``sequence_bias``);
+    seeded rows with min_p and logit_bias give the same ids batched with others and alone."""
+    from transformers import GenerationConfig
+
+    model, reference = tiny_model("llama"), tiny_model("llama")
+    engine = Engine(model, EngineConfig(num_blocks=128, block_size=4, max_num_batched_tokens=32, chunk_size=8), EOS, 512)
+    prompts = random_prompts([5, 17, 11, 26])
+    plain = reference_generate(reference, prompts[0], 12, ignore_eos=True)
+    bias = {plain[3]: -100.0, plain[5] + 1: 7.5, 2: 3.0}
+    kinds = [dict(logit_bias=bias), dict(temperature=1.5, min_p=0.1, seed=3), dict(temperature=1.5, seed=3),
+             dict(temperature=1.2, min_p=0.05, seed=4, logit_bias={7: 2.0})]
+    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=12, ignore_eos=True, **kw)) for i, (p, kw) in enumerate(zip(prompts, kinds))]
+    for seq in seqs:
+        engine.add(seq)
+    run_to_completion(engine)
+    input_ids = torch.tensor([prompts[0]])
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=[], pad_token_id=0, sequence_bias={(t,): b for t, b in bias.items()})
+    want = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)[0, len(prompts[0]):].tolist()
+    assert seqs[0].token_ids[len(prompts[0]):] == want != plain
+    for i in (1, 3):
+        alone = Sequence("alone", list(prompts[i]), len(prompts[i]), SamplingParams(max_tokens=12, ignore_eos=True, **kinds[i]))
+        engine.add(alone)
+        run_to_completion(engine)
+        assert alone.token_ids == seqs[i].token_ids, kinds[i]
+    assert_all_blocks_free(engine)
+
+
 def _anon_huge_kib() -> int:
     for line in open("/proc/self/smaps_rollup"):
         if line.startswith("AnonHugePages:"):

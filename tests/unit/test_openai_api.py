@@ -40,7 +40,7 @@ def test_wrong_types_are_refused_naming_the_field(field, value):
 
 
 @pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-                                          ("tool_choice", "required"), ("n", 2), ("min_p", 0.1), ("logit_bias", {"5": 1.0}),
+                                          ("tool_choice", "required"), ("n", 2),
                                           ("functions", [{"name": "f"}])])
 def test_unsupported_parameters_are_refused_not_ignored(field, value):
     with pytest.raises(InvalidRequestError, match=f"unsupported parameter.*{field}"):
@@ -69,6 +69,18 @@ def test_penalties_pass_through_with_vllms_names():
     assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.3, 0.5, -0.25)
     with pytest.raises(InvalidRequestError, match="presence_penalty must be in"):
         parse(oa.CompletionRequest, prompt="Hi", presence_penalty=3.0).sampling_params(16).validate(1, 100)
+
+
+def test_logit_bias_and_min_p_pass_through_as_vllm_takes_them():
+    """OpenAI's string token ids become ints; biases beyond +-100 are clamped, as vLLM's server does."""
+    params = parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], logit_bias={"5": 2.5, "7": -250, "9": 1e9},
+                   min_p=0.05).sampling_params(16)
+    assert params.logit_bias == {5: 2.5, 7: -100.0, 9: 100.0} and params.min_p == 0.05
+    params.validate(1, 100)
+    with pytest.raises(InvalidRequestError, match="logit_bias key 'five' is not a token id"):
+        parse(oa.CompletionRequest, prompt="Hi", logit_bias={"five": 1.0}).sampling_params(16)
+    with pytest.raises(InvalidRequestError, match=r"min_p must be in \[0, 1\]"):
+        parse(oa.CompletionRequest, prompt="Hi", min_p=1.5).sampling_params(16).validate(1, 100)
 
 
 # The bodies vLLM 0.32's ``vllm bench serve`` sends (vllm/benchmarks/lib/endpoint_request_func.py), with

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -124,3 +126,59 @@ def test_greedy_with_penalties_picks_from_the_penalised_logits():
     assert sample(logits, SamplingParams(repetition_penalty=1.5), position=3, token_ids=[1, 0], num_prompt_tokens=2) == 2
     # neutral values change nothing and need no history
     assert sample(logits, SamplingParams(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0), position=3) == 1
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (SamplingParams(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+    (SamplingParams(min_p=float("nan")), r"min_p must be in \[0, 1\]"),
+    (SamplingParams(logit_bias={1: 100.5}), r"logit_bias\[1\] must be in \[-100, 100\]"),
+    (SamplingParams(logit_bias={1: float("nan")}), r"logit_bias\[1\] must be in"),
+    (SamplingParams(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
+    (SamplingParams(logit_bias={"3": 1.0}), "logit_bias keys must be token ids"),
+])
+def test_bad_min_p_and_logit_bias_are_named(params, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        params.validate(5, 100)
+
+
+def test_logit_bias_ids_past_the_vocabulary_are_named():
+    SamplingParams(logit_bias={99: 1.0}).validate(5, 100, vocab_size=100)
+    with pytest.raises(InvalidRequestError, match="logit_bias has 100, outside the vocabulary of 100"):
+        SamplingParams(logit_bias={100: 1.0}).validate(5, 100, vocab_size=100)
+
+
+def test_logit_bias_is_added_before_the_penalties_and_moves_greedy():
+    """vLLM v1's order: bias, then penalties. Token 3 (logit 1.0, in the prompt) with bias 2.8:
+    (1.0 + 2.8) / 2 = 1.9 under repetition penalty 2 loses to token 1's 3.0; penalised
+    first it would be 0.5 + 2.8 = 3.3 and win."""
+    logits = torch.tensor([0.0, 3.0, 2.5, 1.0])
+    assert sample(logits, SamplingParams(logit_bias={3: 2.8}), position=3) == 3
+    assert sample(logits, SamplingParams(logit_bias={3: 2.8}, repetition_penalty=2.0), position=3, token_ids=[3, 0], num_prompt_tokens=2) == 1
+    assert sample(logits, SamplingParams(logit_bias={1: -100.0}), position=3) == 2
+    assert logits.tolist() == [0.0, 3.0, 2.5, 1.0]  # the row itself is untouched
+    row = torch.tensor([0.0, 3.0, 2.5, 1.0], dtype=torch.bfloat16)  # a bf16 row: the bias is added in float32, as vLLM's
+    assert sample(row, SamplingParams(logit_bias={2: 0.50390625}), position=3) == 2  # 3.0039 in bf16 would tie token 1's 3.0
+
+
+def test_min_p_draws_from_vllms_filtered_distribution():
+    """After temperature, tokens with probability below min_p x the top one's are out
+    (vLLM's MinPLogitsProcessor); the seeded draws equal a draw from that distribution with
+    the same random stream, and greedy ignores min_p."""
+    torch.manual_seed(0)
+    logits = torch.randn(64) * 2
+    params = SamplingParams(temperature=3.0, min_p=0.2, seed=11)
+    scaled = logits / 3.0
+    probs = torch.softmax(scaled, -1)
+    kept = probs >= 0.2 * probs.max()
+    want_probs = torch.softmax(scaled.masked_fill(~kept, -math.inf), -1)
+    got, unfiltered = [], []
+    for position in range(200):
+        generator = torch.Generator().manual_seed((11 * 1_000_003 + position) % (1 << 63))
+        want = int(torch.multinomial(want_probs, 1, generator=generator))
+        got.append(sample(logits, params, position=position))
+        assert got[-1] == want, position
+        unfiltered.append(sample(logits, SamplingParams(temperature=3.0, seed=11), position=position))
+    assert all(kept[t] for t in got) and 1 < int(kept.sum()) < 64
+    assert not all(kept[t] for t in unfiltered)  # without min_p the draws reach the dropped tokens
+    assert sample(logits, SamplingParams(min_p=0.9), position=0) == int(torch.argmax(logits))
