@@ -6,6 +6,7 @@ worker (which samples the rest), so both apply exactly the same rules.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -65,6 +66,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0
+
+    @functools.cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (ids [n] int64, biases [n] float32), built once per request, not per step."""
+        return (torch.tensor(list(self.logit_bias), dtype=torch.long), torch.tensor(list(self.logit_bias.values()), dtype=torch.float32))
 
     @property
     def has_penalties(self) -> bool:
@@ -156,9 +162,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int, num_gene
     temperature, min-p, top-k, top-p and a draw.
     """
     if params.logit_bias:
+        ids, biases = params.logit_bias_tensors
         logits = logits.float().clone()
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        logits[ids] += biases
     if params.has_penalties:
         if token_ids is None:
             raise ValueError("penalties need the sequence's token_ids")
