@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import time
@@ -82,14 +83,37 @@ class GenerateResult:
         self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
 
 
+def _structured(json_schema: dict | str | None, json_object: bool, regex: str | None, choice: list[str] | None,
+                grammar: str | None) -> dict:
+    """The GenerateRequest fields of the structured_output oneof. Raises ValueError where more than one is set."""
+    given = {name: value for name, value in (("json_schema", json_schema), ("json_object", json_object or None), ("regex", regex),
+                                             ("choice", choice), ("grammar", grammar)) if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"set at most one of json_schema, json_object, regex, choice and grammar; got {', '.join(given)}")
+    if "json_schema" in given and not isinstance(given["json_schema"], str):
+        given["json_schema"] = json.dumps(given["json_schema"])
+    if "choice" in given:
+        if isinstance(choice, str) or not all(isinstance(c, str) for c in choice):
+            raise TypeError("choice must be a list of strings")
+        given["choice"] = pb.Choices(choices=list(choice))
+    return given
+
+
 def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
-                  prompt_token_ids: list[int] | None = None, request_id: str = "", model: str = "", **params) -> pb.GenerateRequest:
+                  prompt_token_ids: list[int] | None = None, request_id: str = "", model: str = "",
+                  json_schema: dict | str | None = None, json_object: bool = False, regex: str | None = None,
+                  choice: list[str] | None = None, grammar: str | None = None, **params) -> pb.GenerateRequest:
     """``params``: SamplingParams fields (max_tokens, temperature, top_p, top_k, seed,
     min_tokens, stop, stop_token_ids, ignore_eos, logprobs, repetition_penalty, presence_penalty,
     frequency_penalty, min_p, and logit_bias as {token id: bias}). Raises ValueError for an
     unknown one or a value out of its field's range (``seed`` is an int64, ``max_tokens`` an int32,
     the float ones float32: a nonzero value that would arrive as 0 or inf is refused), TypeError
-    naming the parameter for a value of the wrong type."""
+    naming the parameter for a value of the wrong type.
+
+    Structured output, at most one: ``json_schema`` (a JSON Schema, as a dict or JSON text),
+    ``json_object`` (any JSON object), ``regex`` (the whole output matches it), ``choice`` (one
+    of these strings) or ``grammar`` (Lark, or GBNF with ``::=`` rules); docs/structured_output.md."""
+    structured = _structured(json_schema, json_object, regex, choice, grammar)
     sampling = pb.SamplingParams()
     if isinstance(params.get("stop"), str):  # as OpenAI's: one stop string (else protobuf would take each character)
         params["stop"] = [params["stop"]]
@@ -105,7 +129,7 @@ def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] |
             raise ValueError(f"sampling parameter {name}={value!r}: out of the float32 field's range (it would arrive as {sent})")
     return pb.GenerateRequest(
         prompt=prompt or "", messages=[pb.ChatMessage(**m) for m in messages or []],
-        prompt_token_ids=prompt_token_ids or [], params=sampling, request_id=request_id, model=model,
+        prompt_token_ids=prompt_token_ids or [], params=sampling, request_id=request_id, model=model, **structured,
     )
 
 
@@ -234,7 +258,9 @@ class Client:
     def stream(self, prompt: str | None = None, *, timeout_s: float = 300.0, **kwargs) -> Stream:
         """Stream one request: exactly one of ``prompt`` (raw text), ``messages`` (chat,
         template applied) or ``prompt_token_ids``; ``request_id`` is only echoed back;
-        ``model`` must be "" or the served model; other keywords are sampling parameters."""
+        ``model`` must be "" or the served model; ``json_schema``, ``json_object``, ``regex``,
+        ``choice`` or ``grammar`` constrain the output (``build_request``); other keywords are
+        sampling parameters."""
         return Stream(self._stub, build_request(prompt, **kwargs), timeout_s, self.retries, self.backoff_s, self._metadata)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.errors import InvalidRequestError
+from pdserve.structured import StructuredOutput
 
 # Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS (1e-5) does.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -49,6 +50,9 @@ class SamplingParams:
     min_p ([0, 1], 0 = off): after temperature, a token whose probability is below min_p times
     the most likely token's is dropped, before top-k and top-p (vLLM's ``MinPLogitsProcessor``);
     greedy ignores it, as it cannot change the argmax.
+    structured (pdserve/structured.py): the output follows a JSON schema, regex, choice or
+    grammar; the engine sets the tokens its grammar disallows to -inf before all of the above
+    (logprobs included, as vLLM masks them).
     """
 
     max_tokens: int = 16
@@ -66,6 +70,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0
+    structured: StructuredOutput | None = None  # constrain the output (pdserve/structured.py)
 
     @functools.cached_property
     def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +123,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"logit_bias has {token}, outside the vocabulary of {vocab_size}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
                 raise InvalidRequestError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        if self.structured is not None:
+            self.structured.validate()
         if len(self.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
 
@@ -172,8 +179,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int, num_gene
     if num_generated < params.min_tokens:
         banned = [*params.stop_token_ids, *([] if params.ignore_eos else eos_token_ids)]
         if banned:
-            logits = logits.clone()
+            unbanned, logits = logits, logits.clone()
             logits[torch.tensor(banned, dtype=torch.long)] = -math.inf
+            if not torch.isfinite(logits).any():  # a grammar's mask allows only these: it ends the output
+                logits = unbanned
     if params.temperature < GREEDY_BELOW_TEMPERATURE:  # 0, or so small that logits/T overflows
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature

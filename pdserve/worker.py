@@ -19,6 +19,7 @@ from pdserve.engine.kv_cache import PagedKVCache, PoolMemory
 from pdserve.kv_fingerprint import KVFingerprint
 from pdserve.kv_layout import KVSpec
 from pdserve.model_loader import gguf_source, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
+from pdserve.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,9 @@ def build_engine(cfg: ClusterConfig, pool_name: str, kv_memory: KVMemoryHook | N
     memory, where = kv_memory(device, spec, config) if kv_memory is not None else (None, f"private {device} memory")
     log.info("%s: %s (%s) on %s, %d torch threads, %s, KV pool in %s", pool_name, model_dir, dtype, device, num_threads, config, where)
     quantized = quantized_weights(cfg, pool_name, model.config, dtype) if device == "cpu" and cfg.model.backend in ("auto", "cpu") else None
-    engine = Engine(model, config, eos_token_ids(model, tokenizer), max_len, kv_memory=memory, quantized=quantized)
+    eos = eos_token_ids(model, tokenizer)
+    grammars = Grammars(tokenizer, model.config.vocab_size, eos)  # structured output's grammars (~0.4 s to build)
+    engine = Engine(model, config, eos, max_len, kv_memory=memory, quantized=quantized, grammars=grammars)
     if quantized is not None:
         log.info("%s: linear layers over the GGUF's blocks: %s", pool_name, engine.model.quantized)
     del model  # the engine holds what it computes with (no dense copy where it reads blocks)

@@ -6,10 +6,12 @@ shape; neither goes through the other's types."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling import SamplingParams, TokenLogprob
+from pdserve.structured import Grammars
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per context token is refused untokenized
@@ -36,6 +38,17 @@ class Frontend:
 
     def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int):
         self.tokenizer, self.model_name, self.max_model_len, self.vocab_size = tokenizer, model_name, max_model_len, vocab_size
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar cache that checks structured output, built on first use (1-2 s; the router starts it at start-up)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, eos)
+            return self._grammars
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
@@ -74,3 +87,5 @@ class Frontend:
         """The checks every request gets, gRPC or HTTP."""
         self.check_token_ids("stop_token_ids", list(params.stop_token_ids))
         params.validate(len(prompt_ids), self.max_model_len, self.vocab_size)
+        if params.structured is not None:  # compiled here, so a bad one is refused before prefill runs
+            self.grammars.check(params.structured)

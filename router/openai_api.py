@@ -6,9 +6,12 @@ Served by the router deployment as a FastAPI ingress on Ray Serve's HTTP proxy
 reference (https://platform.openai.com/docs/api-reference); sampling extensions that
 vLLM also accepts (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``repetition_penalty``, ``min_p``) pass through; ``logit_bias`` takes token ids as strings, as
-OpenAI's does, each bias clamped to [-100, 100] as vLLM's server does. A parameter pdserve does not implement is accepted
-at its neutral value (what OpenAI does when it is left out: ``response_format`` text,
-no ``tools``, ``tool_choice: "none"``, ``n: 1``, ...), as OpenAI and vLLM accept it and
+OpenAI's does, each bias clamped to [-100, 100] as vLLM's server does. Structured output:
+OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) or vLLM's
+``structured_outputs`` (one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``),
+not both. A parameter pdserve does not implement is accepted
+at its neutral value (what OpenAI does when it is left out: no ``tools``,
+``tool_choice: "none"``, ``n: 1``, ...), as OpenAI and vLLM accept it and
 client libraries send it by default; set to anything else, it is refused with a 400
 naming it, never silently ignored.
 """
@@ -28,6 +31,7 @@ from ray.serve.exceptions import BackPressureError
 from pdserve.errors import (AuthenticationError, CapacityError, InvalidRequestError, KVAuthError, KVIncompatibleError, KVTransferError,
                             RequestTooLargeError, ShuttingDownError, WorkerStalledError)
 from pdserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from pdserve.structured import StructuredOutput
 
 
 class StreamOptions(BaseModel):
@@ -46,8 +50,6 @@ def _neutral(name: str, value: Any, body: dict[str, Any]) -> bool:
     no_tools = not body.get("tools") and not body.get("functions")
     if value is None:
         return True
-    if name == "response_format":
-        return value == {"type": "text"}
     if name in ("tools", "functions"):
         return value == []
     if name in ("tool_choice", "function_call"):
@@ -79,6 +81,8 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_p: float | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         """Parameters set to something pdserve does not implement, and unknown ones."""
@@ -102,6 +106,17 @@ class _Common(BaseModel):
             out[token] = bias if math.isnan(bias) else min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias))
         return out
 
+    def structured(self) -> StructuredOutput | None:
+        """``response_format`` or ``structured_outputs`` as a StructuredOutput (None for free text).
+        Raises InvalidRequestError naming the field that is wrong."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise InvalidRequestError("response_format and structured_outputs: set one of them, not both")
+        if self.response_format is not None:
+            return _response_format(self.response_format)
+        if self.structured_outputs is not None:
+            return _structured_outputs(self.structured_outputs)
+        return None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
@@ -109,10 +124,72 @@ class _Common(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
-            min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(), logit_bias=self._logit_bias(),
+            min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(), logit_bias=self._logit_bias(), structured=self.structured(),
             **{name: getattr(self, name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
                if getattr(self, name) is not None},
         )
+
+
+def _schema_text(where: str, schema: Any) -> str:
+    """A JSON Schema given as an object, or as JSON text (vLLM takes both), as JSON text."""
+    if isinstance(schema, str):
+        return schema
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{where} must be a JSON Schema object, got {type(schema).__name__}")
+    return json.dumps(schema)
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+    kind = value.get("type")
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if extra:
+        raise InvalidRequestError(f"response_format.{extra[0]} is not a field of response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise InvalidRequestError(f"response_format.type must be one of text, json_object, json_schema; got {json.dumps(kind)[:80]}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequestError("response_format.json_schema must be an object with the schema under \"schema\"")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise InvalidRequestError(f"response_format.json_schema.{extra[0]} is not a field of json_schema")
+    if "schema" not in spec:  # OpenAI's own: strict schemas are enforced, and a missing one allows any JSON object
+        return StructuredOutput("json_object")
+    return StructuredOutput("json", _schema_text("response_format.json_schema.schema", spec["schema"]))
+
+
+STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs(value: dict[str, Any]) -> StructuredOutput | None:
+    """vLLM's structured_outputs: exactly one of json (a schema, object or text), regex,
+    choice (a list of strings), grammar (EBNF/GBNF or Lark) and json_object (true)."""
+    unknown = sorted(k for k, v in value.items() if k not in STRUCTURED_OUTPUTS_KINDS and v not in (None, False))
+    if unknown:
+        raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not supported: pdserve takes {', '.join(STRUCTURED_OUTPUTS_KINDS)}")
+    given = [k for k in STRUCTURED_OUTPUTS_KINDS if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequestError(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUTS_KINDS)}; got {len(given)}")
+    kind = given[0]
+    spec = value[kind]
+    if kind == "json":
+        return StructuredOutput("json", _schema_text("structured_outputs.json", spec))
+    if kind == "json_object":
+        if spec is not True:
+            raise InvalidRequestError("structured_outputs.json_object must be true")
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        if not isinstance(spec, list) or not all(isinstance(c, str) for c in spec):
+            raise InvalidRequestError("structured_outputs.choice must be a list of strings")
+        return StructuredOutput("choice", choices=tuple(spec))
+    if not isinstance(spec, str):
+        raise InvalidRequestError(f"structured_outputs.{kind} must be a string")
+    return StructuredOutput(kind, spec)
 
 
 class CompletionRequest(_Common):

@@ -14,6 +14,7 @@ annotations at runtime, through Ray Serve's class-based ingress.)
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -37,6 +38,7 @@ from pdserve.model_loader import load_tokenizer, resolve_model_dir
 from pdserve.replica_log import to_replica_log
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.sampling import SamplingParams
+from pdserve.structured import StructuredOutput
 from pdserve.worker import max_model_len
 from router.admission import Admission
 from router.disconnect import Receive, follow
@@ -87,6 +89,8 @@ class Router:
         self.max_model_len = max_model_len(self.cfg, model_config)
         self.model_name = served_model_name(self.cfg)
         self.frontend = Frontend(self.tokenizer, self.model_name, self.max_model_len, model_config.vocab_size)
+        # structured output's grammar tables (1-2 s): built beside start-up; a constrained request waits for them
+        threading.Thread(target=lambda: self.frontend.grammars, name="grammars", daemon=True).start()
         self.created = int(time.time())
         self.metrics = RouterMetrics(self.model_name)
         r = self.cfg.router
@@ -127,10 +131,23 @@ class Router:
             **{name: getattr(p, name) for name in _OPTIONAL_PARAMS if p.HasField(name)},
         )
 
+    @staticmethod
+    def _structured(request: pb.GenerateRequest) -> StructuredOutput | None:
+        """The request's structured_output oneof, or None (json_object false is unset)."""
+        which = request.WhichOneof("structured_output")
+        if which is None or (which == "json_object" and not request.json_object):
+            return None
+        if which == "json_object":
+            return StructuredOutput("json_object")
+        if which == "choice":
+            return StructuredOutput("choice", choices=tuple(request.choice.choices))
+        return StructuredOutput({"json_schema": "json"}.get(which, which), getattr(request, which))
+
     def _parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         self.frontend.check_model(request.model)
         prompt_ids = self._prompt_ids(request)
         params = self._params(request.params)
+        params.structured = self._structured(request)
         self.frontend.validate(prompt_ids, params)
         return prompt_ids, params
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_layout import KVSpec
 from pdserve.sampling import finish_reason, sample, token_logprob
+from pdserve.structured import Grammars, fill_masks
+
+MASK_DEADLINE_S = 30.0  # longest a step waits for its grammar masks (a few us to ms each) before it fails
 
 
 @dataclass
@@ -51,12 +55,14 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int,
-                 kv_memory: PoolMemory | None = None, quantized: dict | None = None):
+                 kv_memory: PoolMemory | None = None, quantized: dict | None = None, grammars: Grammars | None = None):
         """The engine runs where ``model`` is (CPU or a CUDA device). ``kv_memory``: where the
         KV pool lives (engine/kv_cache.py's PoolMemory: private memory by default; the KV
         transfer provides ones a same-node peer can map); ``quantized``: the
         model's weights in GGUF blocks by parameter name (engine/quantized.py), for linear
-        layers that read them in place where the backend can (the same bits as dense)."""
+        layers that read them in place where the backend can (the same bits as dense);
+        ``grammars``: the tokenizer's grammar cache for structured output (pdserve/structured.py),
+        None for an engine that serves none."""
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -78,6 +84,8 @@ class Engine:
         if use_graphs:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.num_blocks - 1, config.max_num_seqs, max_model_len, capture=device.type == "cuda")
         self.runner = ModelRunner(self.model, self.backend, graphs)
+        self.grammars = grammars
+        self._masks: ThreadPoolExecutor | None = None  # fills grammar masks while a forward runs (started on first use)
         self.lock = threading.RLock()  # guards the scheduler and block manager
         self.num_steps = 0
         self.num_tokens_computed = 0
@@ -93,10 +101,25 @@ class Engine:
                 f"{self.block_manager.num_blocks * self.config.block_size} tokens"
             )
 
+    def prepare(self, seq: Sequence) -> None:
+        """Build ``seq``'s grammar matcher where it has ``params.structured``, having it accept
+        the tokens generated so far (after prefill's first token, a migration or a recompute),
+        so that its next token is sampled as in one process. Compiles the grammar on a cache
+        miss (about 1 ms for a JSON schema): call it off the step thread, as EngineLoop.submit
+        does (``add`` calls it too, where it has not run). No lock taken. Raises
+        InvalidRequestError for an engine without ``grammars``, a grammar that does not
+        compile, or tokens it does not accept."""
+        if seq.params.structured is None or seq.grammar is not None:
+            return
+        if self.grammars is None:
+            raise InvalidRequestError("this engine was built without its tokenizer's grammars: it serves no structured output")
+        seq.grammar = self.grammars.matcher(seq.params.structured, seq.token_ids[seq.num_prompt_tokens:])
+
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (waits for a running step). Raises InvalidRequestError if it could
-        never fit in the KV pool."""
+        never fit in the KV pool, or for its structured output (``prepare``)."""
         self.check_fits(seq)
+        self.prepare(seq)
         with self.lock:
             self.scheduler.add(seq)
             self._publish_stats()
@@ -136,7 +159,13 @@ class Engine:
         if not batch:
             return []
         start = time.perf_counter()
+        # the grammar masks of the rows that sample this step, filled while the forward runs
+        constrained = [seq for seq, num_new in batch if seq.grammar is not None and seq.num_uncomputed_tokens == num_new]
+        if constrained:
+            self._masks = self._masks or ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+            masks_done = self._masks.submit(fill_masks, [seq.grammar for seq in constrained], self.vocab_size)
         logits = self.runner.forward(batch)  # [len(batch), vocab]
+        masks = dict(zip(map(id, constrained), masks_done.result(timeout=MASK_DEADLINE_S))) if constrained else {}  # [words] int32 each
         self.num_steps += 1
         outputs = []
         for (seq, num_new), row in zip(batch, logits):
@@ -146,12 +175,19 @@ class Engine:
             self.block_manager.mark_computed(seq, computed_before)
             if seq.num_uncomputed_tokens > 0:  # a prompt chunk; more to come
                 continue
+            if seq.grammar is not None:  # disallowed tokens at -inf: in the draw and in the logprobs, as vLLM masks them
+                row = self.backend.mask_logits_(row, masks[id(seq)])
             token = sample(row, seq.params, position=seq.num_tokens, num_generated=seq.num_generated, eos_token_ids=self.eos_token_ids,
                            token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
             seq.token_ids.append(token)
             if seq.params.logprobs is not None:
                 seq.logprobs.append(token_logprob(row, token, seq.params.logprobs))
             seq.finish_reason = finish_reason(token, seq.num_generated, seq.params, self.eos_token_ids)
+            if seq.grammar is not None:
+                if not seq.grammar.consume_token(token):
+                    raise RuntimeError(f"{seq.request_id}: token {token} was sampled under its grammar's mask and refused by it: {seq.grammar.get_error()}")
+                if seq.finish_reason is None and seq.grammar.is_stopped() and token in self.eos_token_ids:
+                    seq.finish_reason = "stop"  # its grammar has ended (with ignore_eos, or before min_tokens)
             if seq.finish_reason is not None:
                 if seq.kv_progress is not None:  # layer-wise: its reader stops, with no fault
                     seq.kv_progress.end()

@@ -59,11 +59,13 @@ class EngineLoop:
     def submit(self, seq: Sequence) -> asyncio.Queue:
         """Queue ``seq``; call from the event loop that reads the returned queue.
 
-        Raises InvalidRequestError if the sequence could never fit in the KV pool,
-        WorkerStalledError if a step is stuck.
+        Raises InvalidRequestError if the sequence could never fit in the KV pool or its
+        structured output cannot be served (its grammar is built here, not on the step
+        thread: Engine.prepare), WorkerStalledError if a step is stuck.
         """
         self.raise_if_stalled()
         self.engine.check_fits(seq)
+        self.engine.prepare(seq)
         queue: asyncio.Queue = asyncio.Queue()
         self._outputs[seq.request_id] = (queue, asyncio.get_running_loop())
         with self._lock:

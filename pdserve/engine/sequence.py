@@ -33,6 +33,8 @@ class Sequence:
     # layer-wise streaming (kv_transfer/progress.py LayerProgress): told as each layer's KV is
     # written, and before the blocks are freed under a reader
     kv_progress: Any = None
+    # params.structured's llguidance matcher (Engine.prepare), in the state after the output so far
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

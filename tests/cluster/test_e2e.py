@@ -152,6 +152,9 @@ def test_first_token_stop_gives_empty_output_and_no_decode_step(cluster, referen
         ({"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 8}, "message role 'wizard'"),
         ({"messages": [{"role": "user", "content": " "}], "max_tokens": 8}, "every message has empty content"),
         ({"prompt": "Hello", "messages": [{"role": "user", "content": "hi"}]}, "set only one of"),
+        ({"prompt": "Hello", "max_tokens": 8, "json_schema": '{"type": "objec"}'}, "the json constraint does not compile: Invalid type: objec"),
+        ({"prompt": "Hello", "max_tokens": 8, "regex": "(("}, "the regex constraint does not compile"),
+        ({"prompt": "Hello", "max_tokens": 8, "choice": []}, "choice needs at least one choice"),
     ],
 )
 def test_bad_input_is_invalid_argument_and_cluster_keeps_serving(cluster, reference, request_kwargs, message):
@@ -437,6 +440,10 @@ def test_openai_stop_string_is_not_returned(oai):
     ({"echo": True}, "unsupported parameter"),
     ({"extra_body": {"logit_bias": {"99999999": 1.0}}}, "logit_bias has 99999999, outside the vocabulary"),
     ({"extra_body": {"min_p": 1.5}}, "min_p must be in"),
+    ({"extra_body": {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}}},
+     "the json constraint does not compile: Invalid type: objec"),
+    ({"extra_body": {"structured_outputs": {"grammar": "root ::= missing"}}}, "Rule 'missing' not found"),
+    ({"extra_body": {"response_format": {"type": "xml"}}}, "response_format.type must be one of"),
 ])
 def test_openai_bad_input_is_a_400_in_openai_shape(oai, kwargs, message):
     import openai
@@ -483,6 +490,64 @@ def test_logit_bias_equals_the_reference_across_the_handoff(cluster, oai, refere
     done = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0, logit_bias={str(t): b for t, b in bias.items()},
                                   extra_body={"ignore_eos": True})
     assert done.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def grammar_reference(model, tokenizer, prompt: list[int], so, max_tokens: int) -> list[int]:
+    """HF ``generate``, greedy, with llguidance's mask for ``so`` applied to each step's logits
+    (an HF logits processor): the single-process reference of a constrained request. The ids
+    end before EOS, as the cluster streams them."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from pdserve.structured import Grammars, apply_mask, fill_masks
+
+    matcher = Grammars(tokenizer, model.config.vocab_size, [tokenizer.eos_token_id]).matcher(so)
+    seen = []
+
+    def mask(input_ids, scores):
+        for token in input_ids[0, len(prompt):].tolist()[len(seen):]:
+            assert matcher.consume_token(token)
+            seen.append(token)
+        return apply_mask(scores[0], fill_masks([matcher], model.config.vocab_size)[0])[None]
+
+    input_ids = torch.tensor([prompt])
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
+                             logits_processor=LogitsProcessorList([mask]))[0, len(prompt):].tolist()
+    return out[:-1] if out and out[-1] == tokenizer.eos_token_id else out
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_output_equals_the_reference_across_the_handoff(cluster, oai, reference):
+    """A JSON schema over gRPC (the SDK's json_schema), OpenAI's response_format and vLLM's
+    structured_outputs (chat, streamed or not): prefill samples token 1 under the mask and
+    decode the rest, and the ids equal HF generate's under the same mask, ending in "stop"."""
+    import json
+
+    from pdserve.structured import StructuredOutput
+
+    model, tokenizer = reference
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    want = grammar_reference(model, tokenizer, prompt, StructuredOutput("json", json.dumps(PERSON)), 40)
+    assert set(json.loads(tokenizer.decode(want))) == {"name", "age"}
+    got = cluster.generate(messages=messages, max_tokens=40, json_schema=PERSON)
+    assert got.token_ids == want and got.finish_reason == "stop"
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    done = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=40, temperature=0, response_format=schema)
+    assert done.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True) and done.choices[0].finish_reason == "stop"
+    chunks = list(oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=40, temperature=0, stream=True,
+                                              extra_body={"structured_outputs": {"json": PERSON}}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == done.choices[0].message.content
+    choice = ("red", "green", "blue")
+    prompt = text_prompt(tokenizer, 30)
+    want = grammar_reference(model, tokenizer, prompt, StructuredOutput("choice", choices=choice), 8)
+    assert cluster.generate(prompt_token_ids=prompt, max_tokens=8, choice=list(choice)).token_ids == want
+    done = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, extra_body={"structured_outputs": {"choice": list(choice)}})
+    assert done.choices[0].text == tokenizer.decode(want) and done.choices[0].text in choice
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -258,3 +258,19 @@ def test_the_cli_refuses_out_of_range_values_in_one_line_and_says_when_its_model
     endpoint = serve(Endless())
     out = runner.invoke(app, ["generate", "--endpoint", endpoint, "--model", "other", "--max-tokens", "3", "hi"])
     assert "note: pdserve already answers at" in out.output and "--config/--model are not applied" in out.output, out.output
+
+
+def test_structured_output_arguments_fill_the_requests_oneof():
+    from pdserve.client import build_request
+
+    req = build_request("hi", json_schema={"type": "object"})
+    assert req.WhichOneof("structured_output") == "json_schema" and req.json_schema == '{"type": "object"}'
+    assert build_request("hi", json_schema='{"type": "string"}').json_schema == '{"type": "string"}'
+    assert build_request("hi", choice=["a", "b"]).choice.choices == ["a", "b"]
+    assert build_request("hi", json_object=True).WhichOneof("structured_output") == "json_object"
+    assert build_request("hi", regex="a+").regex == "a+" and build_request("hi", grammar='root ::= "a"').grammar == 'root ::= "a"'
+    assert build_request("hi", json_object=False).WhichOneof("structured_output") is None
+    with pytest.raises(ValueError, match="set at most one of .*got regex, choice"):
+        build_request("hi", regex="a", choice=["b"])
+    with pytest.raises(TypeError, match="choice must be a list of strings"):
+        build_request("hi", choice="ab")

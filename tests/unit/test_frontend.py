@@ -45,3 +45,15 @@ def test_the_http_adapter_parses_openai_bodies_through_the_frontend(frontend):
     assert ids == frontend.chat_ids([("user", "Hi")]) and params.max_tokens == 64 - len(ids)  # the rest of the context
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         http.parse(frontend, json.dumps({"prompt": [49152]}).encode(), chat=False)
+
+
+def test_a_constraint_is_compiled_by_the_frontend_before_any_worker_sees_it(frontend):
+    from pdserve.structured import StructuredOutput
+
+    frontend.validate([1, 2], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "[a-z]+")))
+    with pytest.raises(InvalidRequestError, match="the json constraint does not compile: Invalid type: objec"):
+        frontend.validate([1, 2], SamplingParams(max_tokens=4, structured=StructuredOutput("json", '{"type": "objec"}')))
+    with pytest.raises(InvalidRequestError, match=r"response_format.type must be one of text, json_object, json_schema"):
+        http.parse(frontend, json.dumps({"prompt": "Hi", "response_format": {"type": "yaml"}}).encode(), chat=False)
+    _, _, params = http.parse(frontend, json.dumps({"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_object"}}).encode(), chat=True)
+    assert params.structured == StructuredOutput("json_object") and len(frontend.grammars) == 2

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [("pdserve",), ("kv_transfer",), ("prefill_worker", "decode_worker", "router"), ("pdserve_app",)]
 PACKAGES = [p for layer in LAYERS for p in layer]
 # what the engine may import from the rest of pdserve: leaf modules only (no config, workers, transports)
-ENGINE_MAY_IMPORT = {"pdserve.errors", "pdserve.kv_layout", "pdserve.messages", "pdserve.sampling"}
+ENGINE_MAY_IMPORT = {"pdserve.errors", "pdserve.kv_layout", "pdserve.messages", "pdserve.sampling", "pdserve.structured"}
 
 
 def modules() -> dict[str, Path]:

@@ -2,10 +2,12 @@
 unknown or unsupported parameters are refused by name."""
 
 import json
+import re
 
 import pytest
 
 from pdserve.errors import InvalidRequestError
+from pdserve.structured import StructuredOutput
 from router import openai_api as oa
 
 
@@ -39,7 +41,7 @@ def test_wrong_types_are_refused_naming_the_field(field, value):
         parse(oa.CompletionRequest, prompt="Hi", **{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]),
                                           ("tool_choice", "required"), ("n", 2),
                                           ("functions", [{"name": "f"}])])
 def test_unsupported_parameters_are_refused_not_ignored(field, value):
@@ -179,3 +181,43 @@ def test_unknown_content_part_keys_are_refused_by_name():
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[0\]\.cache_control"):
         parse(oa.ChatCompletionRequest, messages=messages)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("cls, prompt", [(oa.ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}]}),
+                                         (oa.CompletionRequest, {"prompt": "Hi"})])
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     StructuredOutput("json", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput("json", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutput("json", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutput("regex", "[a-z]+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutput("choice", choices=("yes", "no"))),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, StructuredOutput("grammar", 'root ::= "a"')),
+    ({"structured_outputs": {"json_object": True, "regex": None}}, StructuredOutput("json_object")),
+])
+def test_response_format_and_structured_outputs_become_one_constraint(cls, prompt, fields, expected):
+    """OpenAI's response_format and vLLM's structured_outputs, on chat and completions alike."""
+    assert parse(cls, **prompt, **fields).sampling_params(8).structured == expected
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"response_format": {"type": "xml"}}, "response_format.type must be one of text, json_object, json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": [1]}}, "response_format.json_schema must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format.json_schema.schema must be a JSON Schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "bogus": 1}}}, "response_format.json_schema.bogus"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "set one of them, not both"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of json, regex, choice, grammar, json_object; got 2"),
+    ({"structured_outputs": {}}, "exactly one of"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag is not supported"),
+    ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice must be a list of strings"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex must be a string"),
+])
+def test_bad_structured_output_fields_are_refused_by_name(fields, message):
+    req = parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], **fields)
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        req.sampling_params(8)

@@ -434,3 +434,41 @@ def test_the_requests_of_a_router_that_died_are_stopped_in_both_pools(workers, r
     assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and p["num_running"] == 0
     assert d["num_free_blocks"] == d["num_blocks"] and d["num_running"] == 0
     assert p["num_stopped_for_dead_caller"] - before[0] == 3 and d["num_stopped_for_dead_caller"] - before[1] >= 1
+
+
+def test_a_constrained_request_is_the_same_disaggregated_or_not(workers, reference, real_model_dir):
+    """A JSON schema: prefill samples token 1 under its mask, and the decode replica's matcher
+    accepts that token before its first step (Engine.prepare, on the worker's event loop): the
+    ids equal one engine doing it all, and the output is the schema's JSON."""
+    import json
+
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sequence import Sequence
+    from pdserve.structured import StructuredOutput
+    from test_engine import run_to_completion
+
+    backend, prefill, decode = workers
+    tokenizer = load_tokenizer(real_model_dir)
+    prompt = tokenizer("A person, as JSON:", return_tensors=None)["input_ids"]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=30, structured=StructuredOutput("json", json.dumps(schema)))
+
+    async def disaggregated():
+        first = await prefill.prefill(PrefillRequest(f"json-{backend}", prompt, params))
+        tokens = [first.first_token]
+        async for chunk in decode.generate(WithKV(f"json-{backend}", prompt, params, first.first_token, first.kv)):
+            tokens.extend(chunk.token_ids)
+            finish = chunk.finish_reason
+        return tokens, finish
+
+    got, finish = asyncio.run(disaggregated())
+    engine = Engine(load_model(real_model_dir, "float32"), EngineConfig(num_blocks=64), decode.engine.eos_token_ids, decode.engine.max_model_len,
+                    grammars=decode.engine.grammars)
+    seq = Sequence("alone", list(prompt), len(prompt), params)
+    engine.add(seq)
+    run_to_completion(engine)
+    assert finish == "stop" and got == seq.token_ids[len(prompt):-1]  # the EOS that ends it is not streamed
+    assert set(json.loads(tokenizer.decode(got))) == {"name", "age"}
+    p, d = asyncio.run(settle(prefill, decode))
+    assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]

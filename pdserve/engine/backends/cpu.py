@@ -97,5 +97,8 @@ class CpuBackend(Backend):
         ops.rope_(x, positions, cos, sin, self.num_threads)
         return x
 
+    def mask_logits_(self, row, mask):
+        return ops.mask_logits_(row, mask) if row.is_contiguous() else super().mask_logits_(row, mask)
+
     def silu_mul(self, gate_up):
         return ops.silu_mul(gate_up, self.num_threads)

@@ -60,6 +60,7 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
         "add_rmsnorm": (None, [_ptr, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _f, ctypes.c_int, _i64]),
         "rope_inplace": (None, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _i64]),
         "silu_mul": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int, _i64]),
+        "mask_logits": (None, [_ptr, _i64, _ptr, ctypes.c_int]),
     },
     "attention": {
         "paged_attention": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,

@@ -94,6 +94,15 @@ def silu_mul(gate_up: torch.Tensor, num_threads: int = 1) -> torch.Tensor:
     return out
 
 
+def mask_logits_(row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """row: [vocab] contiguous logits; mask: [ceil(vocab / 32)] int32 (pdserve/structured.py
+    fill_masks). Sets row[t] = -inf where token t's bit is clear, in place; returns row."""
+    if mask.numel() * 32 < row.numel():
+        raise ValueError(f"a mask of {mask.numel()} words covers fewer than the row's {row.numel()} tokens")
+    _lib("pointwise").mask_logits(row.data_ptr(), row.numel(), mask.contiguous().data_ptr(), _bf(row))
+    return row
+
+
 QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}  # ggml_type -> name: the GGUF block types ``qpack`` takes
 
 

@@ -176,3 +176,21 @@ void silu_mul(const void *gu, int64_t ldg, void *out, int64_t ldo, int64_t M, in
 }
 
 const char *pointwise_isa(void) { return simd_isa(); }
+
+/* A grammar's token mask on one row of logits, in place: x[i] = -inf where bit i % 32 of
+ * words[i / 32] is clear (pdserve/structured.py fill_masks), for i < n. A word with every bit
+ * set is skipped and one with none is filled whole: a JSON mask is mostly those. */
+void mask_logits(void *x, int64_t n, const uint32_t *words, int bf) {
+    for (int64_t w = 0; w * 32 < n; w++) {
+        const uint32_t bits = words[w];
+        const int64_t i0 = w * 32, m = n - i0 < 32 ? n - i0 : 32;
+        if (bits == 0xFFFFFFFFu) continue;
+        if (bf) {
+            uint16_t *r = (uint16_t *)x + i0;
+            for (int64_t j = 0; j < m; j++) r[j] = (bits >> j) & 1 ? r[j] : 0xFF80; /* bf16 -inf */
+        } else {
+            float *r = (float *)x + i0;
+            for (int64_t j = 0; j < m; j++) r[j] = (bits >> j) & 1 ? r[j] : -INFINITY;
+        }
+    }
+}
