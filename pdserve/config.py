@@ -45,6 +45,15 @@ class ModelConfig:
     # where each worker runs its model and KV pool: "auto" = the GPU Ray gave the replica
     # (ray_actor_options.num_gpus >= 1), else the CPU; "cpu"; "cuda"
     device: str = "auto"
+    # the chat template (Jinja) for chat requests instead of the tokenizer's: a file on the
+    # router's node, or the template itself. A model whose template has no tool support gets
+    # a Hermes-style ChatML one (router/tool_calls.py) for requests with tools
+    chat_template: str | None = None
+    # how tool calls are written and read back: auto (by the template), hermes, llama3
+    tool_parser: str = "auto"
+
+
+TOOL_PARSERS = ("auto", "hermes", "llama3")
 
 
 @dataclass
@@ -346,6 +355,10 @@ class ClusterConfig:
             raise ConfigError(f"model.max_model_len must be a positive number of tokens or null (the model's context), not {self.model.max_model_len!r}")
         if self.model.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"model.device must be auto, cpu or cuda, not {self.model.device!r}")
+        if self.model.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"model.tool_parser must be one of {', '.join(TOOL_PARSERS)}, not {self.model.tool_parser!r}")
+        if self.model.chat_template is not None and not isinstance(self.model.chat_template, str):
+            raise ConfigError("model.chat_template must be a file path or a Jinja template")
         if self.kv_transfer.backend not in KV_BACKENDS:
             raise ConfigError(f"kv_transfer.backend must be one of {', '.join(KV_BACKENDS)}, not {self.kv_transfer.backend!r}")
         if self.kv_transfer.on_fault not in FAULT_POLICIES:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ class StructuredOutput:
         if self.kind == "choice":  # JSON string literals are Lark's string literals
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choices))
         lark = self.spec
-        if "::=" in lark:
+        if re.search(r"^\s*[A-Za-z_][\w-]*\s*::=", lark, re.M):  # a GBNF rule (Lark's are "name: ...")
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling import SamplingParams, TokenLogprob
 from pdserve.structured import Grammars
+from router.tool_calls import HERMES_TEMPLATE, pick_parser, supports_tools
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per context token is refused untokenized
@@ -36,8 +37,16 @@ class Frontend:
     ``model_name``, its context ``max_model_len`` (tokens) and ``vocab_size``. Every method
     raises InvalidRequestError naming what is wrong."""
 
-    def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int):
+    def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int, chat_template: str | None = None,
+                 tool_parser: str = "auto"):
+        """``chat_template``: a Jinja chat template to use instead of the tokenizer's;
+        ``tool_parser``: model.tool_parser (router/tool_calls.py)."""
         self.tokenizer, self.model_name, self.max_model_len, self.vocab_size = tokenizer, model_name, max_model_len, vocab_size
+        self.chat_template = chat_template
+        own = chat_template or getattr(tokenizer, "chat_template", None)
+        # the template that renders tools: the model's own, else Hermes in ChatML where the model has ChatML's tokens
+        self.tools_template = own if supports_tools(own) else HERMES_TEMPLATE if "<|im_start|>" in tokenizer.get_vocab() else None
+        self.tool_parser = pick_parser(tool_parser, self.tools_template)
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
 
@@ -64,19 +73,30 @@ class Frontend:
         self.check_text_size(len(text))
         return list(self.tokenizer(text).input_ids) if text else []
 
-    def chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
-        """``messages``: (role, content) pairs; the model's chat template, with the generation prompt."""
+    def chat_ids(self, messages: list[tuple[str, str]] | list[dict], tools: list[dict] | None = None) -> list[int]:
+        """``messages``: (role, content) pairs, or message dicts as chat templates take them
+        (with an assistant's ``tool_calls`` and a tool's ``tool_call_id``:
+        router/tool_calls.py ``history_message``); ``tools``: OpenAI's tool objects to render.
+        The chat template (``chat_template``, else the model's; the tool-rendering one where
+        there are tools or tool calls), with the generation prompt."""
         if not messages:
             raise InvalidRequestError("messages is empty: send at least one message")
-        self.check_text_size(sum(len(content) for _, content in messages))
-        for role, _ in messages:
-            if role not in CHAT_ROLES:
-                raise InvalidRequestError(f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}")
-        if not any(content.strip() for _, content in messages):
+        chat = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+        self.check_text_size(sum(len(m.get("content") or "") for m in chat))
+        for m in chat:
+            if m["role"] not in CHAT_ROLES:
+                raise InvalidRequestError(f"message role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
+        if not any((m.get("content") or "").strip() or m.get("tool_calls") for m in chat):
             raise InvalidRequestError("prompt is empty: every message has empty content")
-        chat = [{"role": role, "content": content} for role, content in messages]
+        template = self.chat_template
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in chat):
+            if self.tools_template is None:
+                raise InvalidRequestError("this model's chat template cannot render tools or tool messages: "
+                                          "set model.chat_template to one that does")
+            template = self.tools_template
         # tokenize/return_dict spelled out: transformers 4.x returns a bare id list by default, 5.x a dict
-        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        return list(self.tokenizer.apply_chat_template(chat, tools=tools or None, chat_template=template, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True)["input_ids"])
 
     def check_token_ids(self, name: str, ids: list[int]) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]

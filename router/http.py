@@ -11,8 +11,10 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.errors import InvalidRequestError
 from pdserve.sampling import SamplingParams
 from router import openai_api as oa
+from router import tool_calls
 from router.disconnect import Receive
 from router.errors import error_message, retry_after_s
 from router.frontend import Frontend, Output
@@ -29,10 +31,17 @@ def parse(frontend: Frontend, body: bytes, chat: bool) -> tuple[Any, list[int], 
     if chat:
         req = oa.parse(oa.ChatCompletionRequest, body)
         frontend.check_model(req.model)
-        prompt_ids = frontend.chat_ids([(m.role, m.text()) for m in req.messages])
+        choice = req.tool_choice_()
+        prompt_ids = frontend.chat_ids([m.history(f"messages[{i}]") for i, m in enumerate(req.messages)], choice.tools if choice else None)
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
         params = req.sampling_params(default_max_tokens=max(1, frontend.max_model_len - len(prompt_ids)))
+        constraint = choice.constraint(frontend.tool_parser) if choice else None
+        if constraint is not None:  # required, or a named function: the calls always parse
+            if params.structured is not None:
+                raise InvalidRequestError("tool_choice required or naming a function constrains the output itself: "
+                                          "leave out response_format and structured_outputs")
+            params.structured = constraint
     else:
         req = oa.parse(oa.CompletionRequest, body)
         frontend.check_model(req.model)
@@ -59,9 +68,12 @@ async def handle(frontend: Frontend, generate: Generate, body: bytes, chat: bool
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     except Exception as e:  # noqa: BLE001 - every error gets a status and a message
         return error_response(e)
+    choice = req.tool_choice_() if chat else None
+    choice = choice if choice is not None and choice.mode != "none" else None  # "none": the text as it is
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        sse = sse_stream(frontend, rid, chat, first, stream, include_usage, params.logprobs is not None)
+        calls = tool_calls.CallStream(frontend.tool_parser, {f["name"] for f in choice.functions}, choice.mode != "auto") if choice else None
+        sse = sse_stream(frontend, rid, chat, first, stream, include_usage, params.logprobs is not None, calls)
         return StreamingResponse(sse, media_type="text/event-stream")
     text, last, logprobs = first.text, first, list(first.logprobs)
     try:
@@ -77,12 +89,19 @@ async def handle(frontend: Frontend, generate: Generate, body: bytes, chat: bool
     lp = None
     if params.logprobs is not None:
         lp = oa.chat_logprobs(frontend.tokenizer, logprobs) if chat else oa.completion_logprobs(frontend.tokenizer, logprobs)
-    make = oa.chat_response if chat else oa.completion_response
-    return make(rid, frontend.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
+    if not chat:
+        return oa.completion_response(rid, frontend.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
+    parsed = tool_calls.parse_calls(text, frontend.tool_parser, {f["name"] for f in choice.functions}) if choice else None
+    if parsed is not None:  # text that does not parse as calls stays content
+        content, calls = parsed
+        return oa.chat_response(rid, frontend.model_name, content, "tool_calls", last.prompt_tokens, last.completion_tokens, lp, calls)
+    return oa.chat_response(rid, frontend.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
 
 
 async def sse_stream(frontend: Frontend, rid: str, chat: bool, first: Output, stream: AsyncIterator[Output], include_usage: bool,
-                     with_logprobs: bool):
+                     with_logprobs: bool, calls: tool_calls.CallStream | None = None):
+    """The SSE events of one streamed request. ``calls`` (chat with tools): content that may
+    begin a tool call is held back, and the calls go out at the end as ``delta.tool_calls``."""
     created, last, offset = int(time.time()), first, 0
     try:
         if chat:
@@ -91,8 +110,17 @@ async def sse_stream(frontend: Frontend, rid: str, chat: bool, first: Output, st
         while True:
             reason = chunk.finish_reason or None
             if chat:
-                delta = {"content": chunk.text} if chunk.text else {}
+                text = calls.push(chunk.text) if calls is not None else chunk.text
+                found = []
+                if reason and calls is not None:
+                    rest, found = calls.finish()
+                    text += rest
+                delta = {"content": text} if text else {}
                 lp = oa.chat_logprobs(frontend.tokenizer, chunk.logprobs) if with_logprobs else None
+                if found:  # the content first, then the calls with the finish reason
+                    if delta or lp:
+                        yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, delta, None, lp))
+                    delta, lp, reason = {"tool_calls": [{"index": i, **call} for i, call in enumerate(found)]}, None, "tool_calls"
                 yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, delta, reason, lp))
             else:
                 lp = oa.completion_logprobs(frontend.tokenizer, chunk.logprobs, offset) if with_logprobs else None

@@ -9,9 +9,10 @@ vLLM also accepts (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``
 OpenAI's does, each bias clamped to [-100, 100] as vLLM's server does. Structured output:
 OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) or vLLM's
 ``structured_outputs`` (one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``),
-not both. A parameter pdserve does not implement is accepted
-at its neutral value (what OpenAI does when it is left out: no ``tools``,
-``tool_choice: "none"``, ``n: 1``, ...), as OpenAI and vLLM accept it and
+not both. Chat takes ``tools``, ``tool_choice`` and ``parallel_tool_calls``, and messages with
+``tool_calls`` and ``tool_call_id`` (router/tool_calls.py). A parameter pdserve does not
+implement is accepted at its neutral value (what OpenAI does when it is left out: no
+``functions``, ``n: 1``, ...), as OpenAI and vLLM accept it and
 client libraries send it by default; set to anything else, it is refused with a 400
 naming it, never silently ignored.
 """
@@ -32,6 +33,7 @@ from pdserve.errors import (AuthenticationError, CapacityError, InvalidRequestEr
                             RequestTooLargeError, ShuttingDownError, WorkerStalledError)
 from pdserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from pdserve.structured import StructuredOutput
+from router import tool_calls
 
 
 class StreamOptions(BaseModel):
@@ -214,11 +216,17 @@ class ContentPart(BaseModel):
 
 
 class ChatMessageIn(BaseModel):
-    # unknown fields (``name``, ``tool_calls``, ``tool_call_id``, ...) are refused by name, not
-    # dropped: none of them reaches the chat template here
+    # unknown fields (``name``, ``refusal``, ...) are refused by name, not dropped: none of
+    # them reaches the chat template here
     model_config = ConfigDict(extra="allow")
     role: str
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (router/tool_calls.py)
+    tool_call_id: str | None = None  # a tool message's: which call it answers
+
+    def history(self, where: str) -> dict:
+        """This message as chat templates take it (router/tool_calls.py history_message)."""
+        return tool_calls.history_message(self.role, self.text(), self.tool_calls, self.tool_call_id, where)
 
     def unsupported(self, where: str) -> list[str]:
         """This message's fields that are set and not implemented, as ``where.field``
@@ -242,6 +250,13 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_choice_(self) -> tool_calls.ToolChoice | None:
+        """``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked (None without tools)."""
+        return tool_calls.parse_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def unsupported(self) -> list[str]:
         return super().unsupported() + [k for i, m in enumerate(self.messages) for k in m.unsupported(f"messages[{i}]")]
@@ -334,11 +349,13 @@ def completion_response(rid: str, model: str, text: str, finish_reason: str, pro
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                  logprobs: dict | None = None) -> dict:
+def chat_response(rid: str, model: str, text: str | None, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                  logprobs: dict | None = None, calls: list[dict] | None = None) -> dict:
+    """``calls``: the reply's tool calls (then ``text`` is the content beside them, or None)."""
+    message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -30,7 +31,7 @@ from router import http
 from router import openai_api as oa
 
 from pdserve.callers import this_actor
-from pdserve.config import ClusterConfig
+from pdserve.config import ClusterConfig, ConfigError
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.metrics import RouterMetrics
@@ -64,6 +65,17 @@ def _logprob_pb(lp) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
+def chat_template(value: str | None) -> str | None:
+    """model.chat_template: the template itself (it has Jinja's ``{{`` or ``{%``), or a file
+    on this node holding it. Raises ConfigError for a path that cannot be read."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    try:
+        return Path(value).expanduser().read_text()
+    except OSError as e:
+        raise ConfigError(f"model.chat_template: {e}") from None
+
+
 def served_model_name(cfg: ClusterConfig) -> str:
     return cfg.model.path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
 
@@ -88,7 +100,8 @@ class Router:
         model_config = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = max_model_len(self.cfg, model_config)
         self.model_name = served_model_name(self.cfg)
-        self.frontend = Frontend(self.tokenizer, self.model_name, self.max_model_len, model_config.vocab_size)
+        self.frontend = Frontend(self.tokenizer, self.model_name, self.max_model_len, model_config.vocab_size,
+                                 chat_template(self.cfg.model.chat_template), self.cfg.model.tool_parser)
         # structured output's grammar tables (1-2 s): built beside start-up; a constrained request waits for them
         threading.Thread(target=lambda: self.frontend.grammars, name="grammars", daemon=True).start()
         self.created = int(time.time())

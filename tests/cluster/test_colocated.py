@@ -110,3 +110,19 @@ def test_bench_goodput_sweeps_rates_and_finds_the_limit(cluster, tmp_path):
     strict = goodput.main([*common, "--label", "strict", "--ttft-slo", "0.0001", "--compare", str(tmp_path / "goodput-loose.json")])
     assert strict["goodput_rps"] is None and strict["points"][0]["slo_attainment"] == 0  # no rate meets a 0.1 ms TTFT
     assert (tmp_path / "goodput.png").stat().st_size > 0
+
+
+def test_a_constrained_request_equals_the_reference_colocated(cluster, reference):
+    """The JSON schema of test_e2e's disaggregated check, on the one pool: the same ids as HF
+    generate under the same mask (so the same as disaggregated)."""
+    import json
+
+    from pdserve.structured import StructuredOutput
+    from test_e2e import PERSON, grammar_reference
+
+    model, tokenizer = reference
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    want = grammar_reference(model, tokenizer, prompt, StructuredOutput("json", json.dumps(PERSON)), 40)
+    got = cluster.generate(messages=messages, max_tokens=40, json_schema=PERSON)
+    assert got.token_ids == want and got.finish_reason == "stop"

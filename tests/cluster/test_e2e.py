@@ -444,6 +444,7 @@ def test_openai_stop_string_is_not_returned(oai):
      "the json constraint does not compile: Invalid type: objec"),
     ({"extra_body": {"structured_outputs": {"grammar": "root ::= missing"}}}, "Rule 'missing' not found"),
     ({"extra_body": {"response_format": {"type": "xml"}}}, "response_format.type must be one of"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "unsupported parameter.*tools"),
 ])
 def test_openai_bad_input_is_a_400_in_openai_shape(oai, kwargs, message):
     import openai
@@ -548,6 +549,86 @@ def test_structured_output_equals_the_reference_across_the_handoff(cluster, oai,
     assert cluster.generate(prompt_token_ids=prompt, max_tokens=8, choice=list(choice)).token_ids == want
     done = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, extra_body={"structured_outputs": {"choice": list(choice)}})
     assert done.choices[0].text == tokenizer.decode(want) and done.choices[0].text in choice
+
+
+def test_twenty_json_schemas_give_replies_that_validate(oai):
+    """The real openai client, response_format json_schema, 20 schemas at once: every reply
+    parses and validates (jsonschema) and ends with "stop"."""
+    from concurrent.futures import ThreadPoolExecutor
+    import json
+
+    import jsonschema
+
+    from json_schemas import PROMPTS, SCHEMAS
+
+    def ask(i):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}
+        return oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": PROMPTS[i] + " Answer in JSON."}],
+                                           max_tokens=160, temperature=0, response_format=fmt).choices[0]
+
+    with ThreadPoolExecutor(len(SCHEMAS)) as pool:
+        replies = list(pool.map(ask, range(len(SCHEMAS))))
+    for schema, reply in zip(SCHEMAS, replies):
+        assert reply.finish_reason == "stop", reply.message.content
+        jsonschema.validate(json.loads(reply.message.content), schema)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                           "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "Current time in a time zone",
+                                          "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                                                         "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_tool_calls_with_required_or_a_named_function_parse_and_validate(oai, tool_choice):
+    """The reply is tool calls whose arguments validate against the function's schema,
+    finish_reason "tool_calls"; streamed, the deltas carry the same calls."""
+    import json
+
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    done = oai.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER, CLOCK], tool_choice=tool_choice,
+                                       max_tokens=80, temperature=0)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+    chunks = list(oai.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER, CLOCK], tool_choice=tool_choice,
+                                              max_tokens=80, temperature=0, stream=True))
+    deltas = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == (choice.message.content or "")
+
+
+def test_a_tool_result_in_the_history_and_auto_give_an_answer_or_calls_never_an_error(oai):
+    """A conversation with the assistant's call and the tool's result; with tool_choice auto
+    the reply is content, or calls of a given function: text that does not parse stays content.
+    Streamed, content and calls join to the same reply."""
+    import json
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    done = oai.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER], max_tokens=48, temperature=0)
+    choice = done.choices[0]
+    assert choice.message.content or choice.message.tool_calls
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls" and all(c.function.name == "get_weather" for c in choice.message.tool_calls)
+    chunks = list(oai.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER], max_tokens=48, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == (choice.message.content or "")
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    plain = oai.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=48, temperature=0)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
 
 
 @pytest.mark.parametrize("chat", [False, True])

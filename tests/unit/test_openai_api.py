@@ -41,19 +41,24 @@ def test_wrong_types_are_refused_naming_the_field(field, value):
         parse(oa.CompletionRequest, prompt="Hi", **{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]),
-                                          ("tool_choice", "required"), ("n", 2),
+@pytest.mark.parametrize("field, value", [("n", 2),
                                           ("functions", [{"name": "f"}])])
 def test_unsupported_parameters_are_refused_not_ignored(field, value):
     with pytest.raises(InvalidRequestError, match=f"unsupported parameter.*{field}"):
         parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], **{field: value})
 
 
-def test_tool_choice_and_parallel_tool_calls_with_tools_are_refused():
+def test_tools_are_refused_on_completions_and_parsed_on_chat():
+    """Completions has no tools (a 400 naming them); chat checks them (router/tool_calls.py)."""
     tools = [{"type": "function", "function": {"name": "f"}}]
     with pytest.raises(InvalidRequestError, match="unsupported parameter.*parallel_tool_calls, tool_choice, tools"):
-        parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], tools=tools, tool_choice="auto",
-              parallel_tool_calls=False)
+        parse(oa.CompletionRequest, prompt="Hi", tools=tools, tool_choice="auto", parallel_tool_calls=False)
+    req = parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], tools=tools, tool_choice="required",
+                parallel_tool_calls=False)
+    choice = req.tool_choice_()
+    assert (choice.mode, choice.parallel, [f["name"] for f in choice.functions]) == ("required", False, ["f"])
+    with pytest.raises(InvalidRequestError, match="tool_choice required needs tools"):
+        parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], tool_choice="required").tool_choice_()
 
 
 def test_neutral_values_of_unimplemented_fields_are_accepted():
@@ -168,7 +173,7 @@ def test_unknown_stream_options_keys_are_refused_by_name():
     assert body["error"]["param"] == "stream_options.continuous_usage_stats"
 
 
-@pytest.mark.parametrize("field, value", [("name", "alice"), ("tool_calls", [{"id": "c1", "type": "function"}]), ("tool_call_id", "c1")])
+@pytest.mark.parametrize("field, value", [("name", "alice"), ("refusal", "no")])
 def test_unknown_message_fields_are_refused_by_name(field, value):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", field: value}]
     with pytest.raises(InvalidRequestError, match=rf"unsupported parameter.*messages\[1\]\.{field}"):
