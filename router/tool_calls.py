@@ -177,8 +177,30 @@ def history_message(role: str, content: str | None, tool_calls: list | None, too
     return message
 
 
-def _call(name: str, arguments: Any) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+def _call(obj: Any, names: set[str]) -> dict | None:
+    """A parsed ``{"name", "arguments"}`` (or ``"parameters"``) object as OpenAI's tool call,
+    or None where it is not a call of one of ``names`` with an object of arguments."""
+    args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+    if not isinstance(args, dict) or obj.get("name") not in names:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": obj["name"], "arguments": json.dumps(args)}}
+
+
+def _json_objects(text: str, separator: str) -> list[Any] | None:
+    """The JSON values of ``text``, one after another with ``separator`` (and spaces) between; None if it is not that."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+        rest = text[at:].lstrip()
+        if not rest:
+            return values
+        if not rest.startswith(separator):
+            return None
+        at = len(text) - len(rest[len(separator):].lstrip())
 
 
 def parse_calls(text: str, parser: str, names: set[str]) -> tuple[str | None, list[dict]] | None:
@@ -186,32 +208,14 @@ def parse_calls(text: str, parser: str, names: set[str]) -> tuple[str | None, li
     not parse as calls of ``names`` (then the whole text is content)."""
     if parser == "llama3":
         body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return None
-        calls = []
-        for part in body.split(";"):
-            try:
-                obj = json.loads(part)
-            except ValueError:
-                return None
-            args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-            if not isinstance(args, dict) or obj.get("name") not in names:
-                return None
-            calls.append(_call(obj["name"], args))
-        return None, calls
-    blocks = list(re.finditer(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), text, re.S))
-    if not blocks:
+        objects = _json_objects(body, ";") if body.startswith("{") else None
+        calls = [_call(obj, names) for obj in objects or []]
+        return (None, calls) if calls and None not in calls else None
+    blocks = re.findall(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), text, re.S)
+    objects = [_json_objects(block, "\0") for block in blocks]
+    calls = [_call(obj[0], names) if obj and len(obj) == 1 else None for obj in objects]
+    if not calls or None in calls:
         return None
-    calls = []
-    for block in blocks:
-        try:
-            obj = json.loads(block.group(1))
-        except ValueError:
-            return None
-        args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-        if not isinstance(args, dict) or obj.get("name") not in names:
-            return None
-        calls.append(_call(obj["name"], args))
     rest = re.sub(re.escape(HERMES_OPEN) + r".*?" + re.escape(HERMES_CLOSE), "", text, flags=re.S).strip()
     if HERMES_OPEN in rest:  # a call left open (max_tokens): not a reply of calls
         return None
