@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -19,9 +20,10 @@ from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import CapacityError, FirstTokenMissingError, KVAuthError, KVIncompatibleError, KVTransferError, PrefillEndedError
-from pdserve.messages import DecodeRequest, FreshRequest, LayerwiseKV, Migrated, TokenChunk, WithKV
+from pdserve.messages import ALL_CHOICES, ChoiceState, DecodeRequest, FreshRequest, LayerwiseKV, Migrated, TokenChunk, WithKV
 from pdserve.metrics import PoolMetrics
 from pdserve.replica_log import to_replica_log
+from pdserve.sampling import FirstToken
 from pdserve.worker import PREFILL_DEADLINE_S, build_engine, replica_name, rss_bytes
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ async def receive_kv(kv_cache: PagedKVCache, receiver: KVReceiver, handle: KVHan
 def merge_chunks(a: TokenChunk, b: TokenChunk) -> TokenChunk:
     """``a`` then ``b`` as one chunk: their tokens (and logprobs) in order, ``b``'s finish reason."""
     logprobs = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or []), *(b.logprobs or [])]
-    return TokenChunk([*a.token_ids, *b.token_ids], b.finish_reason, logprobs)
+    return TokenChunk([*a.token_ids, *b.token_ids], b.finish_reason, logprobs, b.index)
 
 
 class DecodeServer:
@@ -85,7 +87,7 @@ class DecodeServer:
         self.metrics = PoolMetrics(pool, self.cfg.model.path, self._stats, replica=self.replica)
         self._aborted: dict[str, float] = {}  # request id -> when an abort by id came (monotonic s)
         self.num_aborted_by_id = 0  # requests stopped by ``abort`` rather than by a cancelled call
-        self._running: dict[str, Sequence] = {}  # request id -> its sequence, while this replica streams it
+        self._running: dict[str, list[Sequence]] = {}  # request id -> its sequences (n > 1: one per choice), while this replica streams it
         self.callers = CallerWatch(self._stop_orphan)  # stops the requests of a router replica that died
 
     async def _reserve(self, num_tokens: int, deadline: float) -> list[int]:
@@ -135,29 +137,122 @@ class DecodeServer:
 
     async def _generate(self, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
         self.loop.raise_if_stalled()  # before fetching KV into a replica that cannot run it
-        match request:
-            case WithKV() | LayerwiseKV():
-                received = await self._receive(request)
-                if received is None:  # layer-wise: prefill finished the request itself, nothing to decode
-                    return
-                seq, blocks = received
-            case Migrated():
-                seq, blocks = self._migrated(request), []
-            case FreshRequest():
-                seq, blocks = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params), []
-            case _:
-                raise TypeError(f"not a decode request: {type(request).__name__}")
-        if request.request_id in self._aborted:  # the router gave up on it before it got here
-            self.engine.free_blocks(blocks)
-            return
+        if request.params.n > 1:
+            run = self._generate_choices(request)
+        else:
+            match request:
+                case WithKV() | LayerwiseKV():
+                    received = await self._receive(request)
+                    if received is None:  # layer-wise: prefill finished the request itself, nothing to decode
+                        return
+                    seq, blocks = received
+                case Migrated():
+                    seq, blocks = self._migrated(request), []
+                case FreshRequest():
+                    seq, blocks = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params), []
+                case _:
+                    raise TypeError(f"not a decode request: {type(request).__name__}")
+            if request.request_id in self._aborted:  # the router gave up on it before it got here
+                self.engine.free_blocks(blocks)
+                return
+            run = self._run([seq], blocks)
         # Close the inner generator here, not at garbage collection: when a client leaves,
         # Ray closes this generator at its yield, and only then is the sequence aborted at once.
-        run = self._run(seq, blocks)
         try:
             async for item in run:
                 yield item
         finally:
             await run.aclose()
+
+    async def _generate_choices(self, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
+        """An n > 1 request (params.n): one sequence per choice still to decode, streamed with
+        its index. WithKV: the prompt's KV is fetched once and its blocks forked (copy-on-write,
+        Engine.fork) to each choice, which goes on after its first token; FreshRequest: the
+        prompt is prefilled here once, each choice's first token drawn from its logits, then
+        forked; Migrated: each choice recomputes the prompt and its streamed tokens. Choice i
+        runs as the lone request with ``params.fork(i)`` would, bit for bit."""
+        num_prompt, blocks, first = len(request.prompt_ids), [], []
+        choices = list(request.choices)
+        if isinstance(request, FreshRequest):
+            first, blocks = await self._prefill_choices(request)
+            if not first:  # aborted by id meanwhile
+                yield TokenChunk([], "abort", index=ALL_CHOICES)
+                return
+            choices = [ChoiceState(c.index, (c.token_id,)) for c in first if c.finish_reason is None]
+        elif isinstance(request, WithKV):
+            received = await self._receive(request)
+            if received is None:
+                return
+            blocks = received[1]
+        elif isinstance(request, Migrated):
+            self.num_migrated_in += 1
+        else:
+            raise TypeError(f"{type(request).__name__} does not take n > 1")
+        tables = [[] for _ in choices]
+        if blocks:  # the prompt's KV is here: fork it to every choice (frees the blocks if it fails)
+            tables = await self._fork(blocks, num_prompt, len(choices))
+        if request.request_id in self._aborted:  # the router gave up on it meanwhile
+            for table in tables:
+                self.engine.free_blocks(table)
+            return
+        seqs = [Sequence(request.request_id, [*request.prompt_ids, *c.streamed], num_prompt, request.params.fork(c.index),
+                         num_computed_tokens=num_prompt if table else 0, block_table=table, index=c.index)
+                for c, table in zip(choices, tables)]
+        # the first tokens drawn here go out once the forks are queued (and own the blocks)
+        firsts = [TokenChunk([] if c.finish_reason == "stop" else [c.token_id], c.finish_reason,
+                             None if c.logprob is None else ([] if c.finish_reason == "stop" else [c.logprob]), c.index) for c in first]
+        if not seqs:
+            for chunk in firsts:
+                yield chunk
+            return
+        run = self._run(seqs, [b for t in tables for b in t], merge=False, firsts=firsts)
+        try:
+            async for item in run:
+                yield item
+        finally:
+            await run.aclose()
+
+    async def _prefill_choices(self, request: FreshRequest) -> tuple[list[FirstToken], list[int]]:
+        """Prefill an n > 1 request's prompt here and draw each choice's first token
+        (Engine._sample_choices). Returns (its FirstTokens, the prompt's blocks: [] where
+        every choice ended at its first token); ([], []) if it was aborted meanwhile. Its task
+        cancelled (a client or router gone), the engine frees the blocks."""
+        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), request.params, stop_after_first_token=True)
+        try:
+            queue = self.loop.submit(seq)
+            item = await self.loop.next_output(queue, PREFILL_DEADLINE_S, f"{self.pool} prefill deadline")
+        except BaseException:
+            self.loop.abort(seq)  # frees blocks kept at its first token too
+            raise
+        if item.index == ALL_CHOICES:  # aborted by id meanwhile
+            self.loop.abort(seq)
+            return [], []
+        blocks, seq.block_table = seq.block_table, []
+        return seq.choices, blocks
+
+    async def _fork(self, blocks: list[int], num_tokens: int, num_forks: int) -> list[list[int]]:
+        """Engine.fork, waiting up to ``max_kv_wait_s`` for blocks for the copies. The caller's
+        ``blocks`` pass to the tables returned; on any failure or cancel, whatever the fork holds
+        is freed (CapacityError when no blocks come)."""
+        deadline = time.monotonic() + self.pool_cfg.max_kv_wait_s
+        while True:
+            call = asyncio.ensure_future(asyncio.to_thread(self.engine.fork, blocks, num_tokens, num_forks))
+            try:
+                tables = await asyncio.shield(call)
+                if tables is not None:
+                    return tables
+                if time.monotonic() > deadline:
+                    raise CapacityError(f"decode KV pool has no room to fork {num_forks} choices after {self.pool_cfg.max_kv_wait_s:g} s")
+                await asyncio.sleep(0.01)
+            except BaseException:
+                call.add_done_callback(functools.partial(self._free_fork, blocks))
+                raise
+
+    def _free_fork(self, blocks: list[int], call: asyncio.Future) -> None:
+        """A fork given up: free every table it made, or the blocks where it made none."""
+        tables = None if call.cancelled() or call.exception() is not None else call.result()
+        for table in tables or [blocks]:
+            self.engine.free_blocks(table)
 
     def _migrated(self, request: Migrated) -> Sequence:
         """Its replica died mid-stream: recompute the prompt and the tokens already streamed here, and go on after them."""
@@ -209,20 +304,29 @@ class DecodeServer:
         )
         return seq, blocks
 
-    async def _run(self, seq: Sequence, blocks: list[int]) -> AsyncIterator[TokenChunk]:
-        """Submit ``seq`` (holding ``blocks``, freed if it cannot be queued) and stream its tokens."""
+    async def _run(self, seqs: list[Sequence], blocks: list[int], merge: bool = True, firsts: list[TokenChunk] = ()) -> AsyncIterator[TokenChunk]:
+        """Submit one request's sequences (one, or its choices; holding ``blocks``, freed if
+        they cannot be queued) and stream their tokens until each has finished, ``firsts``
+        (chunks drawn before them) first. ``merge``: hold tokens up to ``stream_interval`` (one
+        stream of one choice)."""
         try:
-            queue = self.loop.submit(seq)
+            queue = self.loop.submit_group(seqs)
         except BaseException:
             self.engine.free_blocks(blocks)
             raise
-        self._running[seq.request_id] = seq
-        last, interval = None, self.pool_cfg.stream_interval
+        request_id = seqs[0].request_id
+        self._running[request_id] = seqs
+        last, interval, num_open = None, self.pool_cfg.stream_interval, len(seqs)
         timeout_s, name = self.pool_cfg.max_step_s + STEP_DEADLINE_S, f"{self.pool} per-token deadline (max_step_s + {STEP_DEADLINE_S:g} s)"
         try:
+            for chunk in firsts:
+                yield chunk
             while True:
                 item = await self.loop.next_output(queue, timeout_s, name)
-                if last is not None and item.token_ids:  # the first item's wait is TTFT-like: not counted
+                if item.index == ALL_CHOICES:  # aborted: ends every choice
+                    yield item
+                    return
+                if last is not None and item.token_ids and merge:  # the first item's wait is TTFT-like: not counted
                     # hold this stream's tokens until `interval` are ready or it ends (the
                     # first item, colocated's first token, goes at once)
                     while len(item.token_ids) < interval and item.finish_reason is None:
@@ -230,11 +334,13 @@ class DecodeServer:
                     self.tpot.observe((time.perf_counter() - last) / len(item.token_ids))
                 last = time.perf_counter()
                 yield item
-                if item.finish_reason is not None:
+                num_open -= item.finish_reason is not None
+                if num_open == 0:
                     return
         finally:
-            self._running.pop(seq.request_id, None)
-            self.loop.abort(seq)  # no-op once finished
+            self._running.pop(request_id, None)
+            for seq in seqs:
+                self.loop.abort(seq)  # no-op once finished
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request by id (the router calls this for a request its client left, as Ray
@@ -256,10 +362,11 @@ class DecodeServer:
         """Its router replica died (pdserve/callers.py): end its stream, free its blocks
         before the next step, and refuse it if its call has yet to come."""
         self._aborted[request_id] = time.monotonic()
-        seq = self._running.get(request_id)
-        if seq is not None:
+        seqs = self._running.get(request_id)
+        if seqs is not None:
             self.loop.end_stream(request_id)
-            self.loop.abort(seq)
+            for seq in seqs:
+                self.loop.abort(seq)
 
     async def _release_quietly(self, handle: KVHandle) -> None:
         await asyncio.to_thread(self._release_sync, handle)

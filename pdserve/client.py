@@ -49,11 +49,12 @@ class Chunk:
     prompt_tokens: int
     completion_tokens: int  # so far
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when requested (logprobs=k)
+    index: int = 0  # which choice, with n > 1 (completion_tokens then counts all choices')
 
     @classmethod
     def from_pb(cls, m: pb.GenerateResponse) -> "Chunk":
         logprobs = [TokenLogprob(lp.token_id, lp.logprob, [TopLogprob(t.token_id, t.logprob) for t in lp.top]) for lp in m.logprobs]
-        return cls(m.request_id, list(m.token_ids), m.text, m.finish_reason or None, m.prompt_tokens, m.completion_tokens, logprobs)
+        return cls(m.request_id, list(m.token_ids), m.text, m.finish_reason or None, m.prompt_tokens, m.completion_tokens, logprobs, m.index)
 
 
 @dataclass
@@ -67,8 +68,24 @@ class GenerateResult:
     ttft_s: float = 0.0  # seconds from call to first token
     tpot_s: float = 0.0  # mean seconds per output token after the first
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with n > 1: each choice's tokens, text, logprobs and finish reason, by index (then the
+    # fields above keep the request's timing and counts, and its tokens stay empty)
+    choices: list[GenerateResult] = field(default_factory=list)
+
+    @classmethod
+    def for_choices(cls, n: int | None) -> GenerateResult:
+        """An empty result for a request of ``n`` choices."""
+        return cls(choices=[cls() for _ in range(n)] if isinstance(n, int) and n > 1 else [])
 
     def add(self, chunk: Chunk, now: float, start: float, first_at: list[float]) -> None:
+        if self.choices:
+            self.choices[chunk.index].add(chunk, now, start, first_at[:1] or [now])  # (a choice times from the request's first token)
+            self.request_id, self.prompt_tokens, self.completion_tokens = chunk.request_id, chunk.prompt_tokens, chunk.completion_tokens
+            self.finish_reason = chunk.finish_reason or self.finish_reason
+            if chunk.token_ids and not first_at:
+                first_at.append(now)
+                self.ttft_s = now - start
+            return
         if chunk.token_ids:
             if not first_at:
                 first_at.append(now)
@@ -105,7 +122,8 @@ def build_request(prompt: str | None = None, *, messages: list[dict[str, str]] |
                   choice: list[str] | None = None, grammar: str | None = None, **params) -> pb.GenerateRequest:
     """``params``: SamplingParams fields (max_tokens, temperature, top_p, top_k, seed,
     min_tokens, stop, stop_token_ids, ignore_eos, logprobs, repetition_penalty, presence_penalty,
-    frequency_penalty, min_p, and logit_bias as {token id: bias}). Raises ValueError for an
+    frequency_penalty, min_p, n (choices; each chunk has its index), and logit_bias as {token
+    id: bias}). Raises ValueError for an
     unknown one or a value out of its field's range (``seed`` is an int64, ``max_tokens`` an int32,
     the float ones float32: a nonzero value that would arrive as 0 or inf is refused), TypeError
     naming the parameter for a value of the wrong type.
@@ -264,8 +282,9 @@ class Client:
         return Stream(self._stub, build_request(prompt, **kwargs), timeout_s, self.retries, self.backoff_s, self._metadata)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
-        """Run one request to the end and collect it (see ``stream`` for the arguments)."""
-        result, start, first_at = GenerateResult(), time.perf_counter(), []
+        """Run one request to the end and collect it (see ``stream`` for the arguments); with
+        ``n`` > 1, each choice in ``choices``."""
+        result, start, first_at = GenerateResult.for_choices(kwargs.get("n")), time.perf_counter(), []
         for chunk in self.stream(prompt, **kwargs):
             result.add(chunk, time.perf_counter(), start, first_at)
         return result
@@ -335,7 +354,7 @@ class AsyncClient:
         return AsyncStream(self._stub, build_request(prompt, **kwargs), timeout_s, self.retries, self.backoff_s, self._metadata)
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerateResult:
-        result, start, first_at = GenerateResult(), time.perf_counter(), []
+        result, start, first_at = GenerateResult.for_choices(kwargs.get("n")), time.perf_counter(), []
         async for chunk in self.stream(prompt, **kwargs):
             result.add(chunk, time.perf_counter(), start, first_at)
         return result

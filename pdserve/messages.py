@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.callers import Caller
-from pdserve.sampling import SamplingParams, TokenLogprob
+from pdserve.sampling import FirstToken, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,18 @@ class PrefillResult:
     finish_reason: str | None  # "stop" / "length" if the first token ends the request
     kv: KVHandle | None
     first_logprob: TokenLogprob | None = None  # when params.logprobs is set
+    # params.n > 1: each choice's first token (choice 0's is first_token); ``kv`` is set while
+    # one of them goes on, finish_reason when all have ended
+    choices: tuple[FirstToken, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceState:
+    """One choice of an n > 1 request on its way to decode: its index and the tokens the client
+    has of it (WithKV: its first token; Migrated: all streamed so far)."""
+
+    index: int
+    streamed: tuple[int, ...]
 
 
 @dataclass
@@ -58,6 +70,9 @@ class _DecodeCall:
     prompt_ids: list[int]
     params: SamplingParams
     caller: Caller | None = field(default=None, kw_only=True)  # the router replica that sent it (pdserve/callers.py)
+    # params.n > 1: the choices still to decode (FreshRequest: none, decode prefills the prompt
+    # and forks it into all n); decode streams each one's tokens with its index
+    choices: tuple[ChoiceState, ...] = field(default=(), kw_only=True)
 
 
 @dataclass
@@ -94,10 +109,15 @@ class Migrated(_DecodeCall):
 DecodeRequest = FreshRequest | WithKV | LayerwiseKV | Migrated  # what the decode pool's generate takes
 
 
+ALL_CHOICES = -1  # a TokenChunk index: the chunk ends every choice of its request (an abort)
+
+
 @dataclass
 class TokenChunk:
-    """Tokens streamed from decode: token_ids excludes a stop token that ended the request."""
+    """Tokens streamed from decode: token_ids excludes a stop token that ended the request
+    (with n > 1: the choice ``index``)."""
 
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when params.logprobs is set
+    index: int = 0  # which choice (params.n > 1), or ALL_CHOICES

@@ -6,6 +6,7 @@ worker (which samples the rest), so both apply exactly the same rules.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRING_CHARS = 256
 MAX_ADDITIVE_PENALTY = 2.0  # presence/frequency penalties in [-2, 2], as OpenAI and vLLM allow
 MAX_LOGIT_BIAS = 100.0  # |bias| at most this, as OpenAI allows (vLLM's OpenAI server clamps to it)
+MAX_CHOICES = 64  # n at most this (each choice is a sequence in decode's batch)
 
 
 @dataclass
@@ -53,6 +55,10 @@ class SamplingParams:
     structured (pdserve/structured.py): the output follows a JSON schema, regex, choice or
     grammar; the engine sets the tokens its grammar disallows to -inf before all of the above
     (logprobs included, as vLLM masks them).
+
+    n (1-64): choices of one prompt. The prompt is prefilled once; choice ``i`` then runs as
+    the request with ``fork(i)``'s parameters would alone (seed + i, as vLLM's
+    ``ParentRequest`` gives its children), its KV blocks forked from the prompt's.
     """
 
     max_tokens: int = 16
@@ -71,6 +77,14 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0
     structured: StructuredOutput | None = None  # constrain the output (pdserve/structured.py)
+    n: int = 1  # choices of this prompt (``fork``)
+
+    def fork(self, index: int) -> SamplingParams:
+        """Choice ``index``'s parameters: n = 1 and, with a seed, seed + index (vLLM v1's
+        ``ParentRequest._get_child_sampling_params``); the same object where n is already 1."""
+        if self.n == 1:
+            return self
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @functools.cached_property
     def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +117,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:  # gRPC's int64 field holds the same range
-            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
+        if self.seed is not None and not 0 <= self.seed <= 2**63 - self.n:  # gRPC's int64 field holds the same range
+            raise InvalidRequestError(f"seed must be in [0, 2**63 - n] (choice i takes seed + i), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -236,3 +252,14 @@ def finish_reason(token_id: int, num_generated: int, params: SamplingParams, eos
     if num_generated >= params.max_tokens:
         return "length"
     return None
+
+
+@dataclass
+class FirstToken:
+    """Choice ``index`` of an n > 1 request at its first token, sampled with ``fork(index)``
+    from the prompt's last logits; ``finish_reason`` set if that token ends it."""
+
+    index: int
+    token_id: int
+    finish_reason: str | None
+    logprob: TokenLogprob | None = None

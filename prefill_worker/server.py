@@ -91,7 +91,7 @@ class PrefillServer:
         self.num_requests += 1
         self.ttft.observe(time.perf_counter() - start)
         first_logprob = seq.logprobs[-1] if seq.logprobs else None
-        return PrefillResult(seq.request_id, seq.token_ids[-1], finish_reason, handle, first_logprob)
+        return PrefillResult(seq.request_id, seq.token_ids[-1], finish_reason, handle, first_logprob, tuple(seq.choices or ()))
 
     async def prefill_layerwise(self, request: PrefillRequest) -> AsyncIterator[PrefillStarted | PrefillResult]:
         """Layer-wise hand-off (``kv_transfer.layerwise``): yields PrefillStarted once the prompt

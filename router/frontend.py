@@ -22,7 +22,7 @@ MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per context to
 class Output:
     """One piece of a request's answer: the tokens decode sent since the last piece, their
     text (detokenized, stop strings applied), and the counts so far. The last piece has
-    ``finish_reason`` ("stop", "length", "abort")."""
+    ``finish_reason`` ("stop", "length", "abort"); with n > 1, each choice's last piece has."""
 
     token_ids: list[int]
     text: str
@@ -30,6 +30,7 @@ class Output:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked for
+    index: int = 0  # which choice (params.n > 1); completion_tokens counts every choice's
 
 
 class Frontend:

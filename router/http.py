@@ -70,64 +70,80 @@ async def handle(frontend: Frontend, generate: Generate, body: bytes, chat: bool
         return error_response(e)
     choice = req.tool_choice_() if chat else None
     choice = choice if choice is not None and choice.mode != "none" else None  # "none": the text as it is
+    names = {f["name"] for f in choice.functions} if choice else set()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        calls = tool_calls.CallStream(frontend.tool_parser, {f["name"] for f in choice.functions}, choice.mode != "auto") if choice else None
-        sse = sse_stream(frontend, rid, chat, first, stream, include_usage, params.logprobs is not None, calls)
+        calls = [tool_calls.CallStream(frontend.tool_parser, names, choice.mode != "auto") for _ in range(params.n)] if choice else None
+        sse = sse_stream(frontend, rid, chat, first, stream, include_usage, params.logprobs is not None, calls, params.n)
         return StreamingResponse(sse, media_type="text/event-stream")
-    text, last, logprobs = first.text, first, list(first.logprobs)
+    texts, reasons, logprobs, last = [""] * params.n, [None] * params.n, [[] for _ in range(params.n)], first
     try:
-        async for chunk in stream:
-            text, last = text + chunk.text, chunk
-            logprobs.extend(chunk.logprobs)
+        chunk = first
+        while True:
+            texts[chunk.index] += chunk.text
+            reasons[chunk.index] = chunk.finish_reason or reasons[chunk.index]
+            logprobs[chunk.index].extend(chunk.logprobs)
+            last = chunk
+            chunk = await stream.__anext__()
+    except StopAsyncIteration:
+        pass
     except Exception as e:  # noqa: BLE001
         return error_response(e)
     finally:
         await stream.aclose()
-    if not last.finish_reason:  # the client left mid-answer: nobody reads this
+    if not all(reasons):  # the client left mid-answer: nobody reads this
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    lp = None
-    if params.logprobs is not None:
-        lp = oa.chat_logprobs(frontend.tokenizer, logprobs) if chat else oa.completion_logprobs(frontend.tokenizer, logprobs)
-    if not chat:
-        return oa.completion_response(rid, frontend.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
-    parsed = tool_calls.parse_calls(text, frontend.tool_parser, {f["name"] for f in choice.functions}) if choice else None
-    if parsed is not None:  # text that does not parse as calls stays content
-        content, calls = parsed
-        return oa.chat_response(rid, frontend.model_name, content, "tool_calls", last.prompt_tokens, last.completion_tokens, lp, calls)
-    return oa.chat_response(rid, frontend.model_name, text, last.finish_reason, last.prompt_tokens, last.completion_tokens, lp)
+    choices = []
+    for i, (text, reason, lps) in enumerate(zip(texts, reasons, logprobs)):
+        lp = None
+        if params.logprobs is not None:
+            lp = oa.chat_logprobs(frontend.tokenizer, lps) if chat else oa.completion_logprobs(frontend.tokenizer, lps)
+        if not chat:
+            choices.append(oa.completion_choice(i, text, reason, lp))
+            continue
+        parsed = tool_calls.parse_calls(text, frontend.tool_parser, names) if choice else None
+        if parsed is not None:  # text that does not parse as calls stays content
+            content, calls = parsed
+            choices.append(oa.chat_choice(i, content, "tool_calls", lp, calls))
+        else:
+            choices.append(oa.chat_choice(i, text, reason, lp))
+    build = oa.chat_response if chat else oa.completion_response
+    return build(rid, frontend.model_name, choices, last.prompt_tokens, last.completion_tokens)
 
 
 async def sse_stream(frontend: Frontend, rid: str, chat: bool, first: Output, stream: AsyncIterator[Output], include_usage: bool,
-                     with_logprobs: bool, calls: tool_calls.CallStream | None = None):
-    """The SSE events of one streamed request. ``calls`` (chat with tools): content that may
-    begin a tool call is held back, and the calls go out at the end as ``delta.tool_calls``."""
-    created, last, offset = int(time.time()), first, 0
+                     with_logprobs: bool, calls: list[tool_calls.CallStream] | None = None, n: int = 1):
+    """The SSE events of one streamed request of ``n`` choices, each event one choice's by its
+    index. ``calls`` (chat with tools, one per choice): content that may begin a tool call is
+    held back, and the calls go out at the end as ``delta.tool_calls``."""
+    created, last, offsets, open_choices = int(time.time()), first, [0] * n, n
     try:
         if chat:
-            yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, {"role": "assistant", "content": ""}, None))
+            for i in range(n):
+                yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, {"role": "assistant", "content": ""}, None, index=i))
         chunk = first
         while True:
-            reason = chunk.finish_reason or None
+            reason, i = chunk.finish_reason or None, chunk.index
             if chat:
-                text = calls.push(chunk.text) if calls is not None else chunk.text
+                text = calls[i].push(chunk.text) if calls is not None else chunk.text
                 found = []
                 if reason and calls is not None:
-                    rest, found = calls.finish()
+                    rest, found = calls[i].finish()
                     text += rest
                 delta = {"content": text} if text else {}
                 lp = oa.chat_logprobs(frontend.tokenizer, chunk.logprobs) if with_logprobs else None
                 if found:  # the content first, then the calls with the finish reason
                     if delta or lp:
-                        yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, delta, None, lp))
-                    delta, lp, reason = {"tool_calls": [{"index": i, **call} for i, call in enumerate(found)]}, None, "tool_calls"
-                yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, delta, reason, lp))
+                        yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, delta, None, lp, i))
+                    delta, lp, reason = {"tool_calls": [{"index": k, **call} for k, call in enumerate(found)]}, None, "tool_calls"
+                yield oa.sse(oa.chat_chunk(rid, frontend.model_name, created, delta, reason, lp, i))
             else:
-                lp = oa.completion_logprobs(frontend.tokenizer, chunk.logprobs, offset) if with_logprobs else None
-                offset += sum(len(t) for t in lp["tokens"]) if lp else 0
-                yield oa.sse(oa.completion_chunk(rid, frontend.model_name, created, chunk.text, reason, lp))
+                lp = oa.completion_logprobs(frontend.tokenizer, chunk.logprobs, offsets[i]) if with_logprobs else None
+                offsets[i] += sum(len(t) for t in lp["tokens"]) if lp else 0
+                yield oa.sse(oa.completion_chunk(rid, frontend.model_name, created, chunk.text, reason, lp, i))
             last = chunk
-            if reason:
+            open_choices -= reason is not None
+            if not open_choices:
                 break
             try:
                 chunk = await stream.__anext__()

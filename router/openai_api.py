@@ -88,8 +88,7 @@ class _Common(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Parameters set to something pdserve does not implement, and unknown ones."""
-        bad = ["n"] if self.n not in (None, 1) else []
-        bad += [f"stream_options.{k}" for k in (self.stream_options.model_extra or {})] if self.stream_options else []
+        bad = [f"stream_options.{k}" for k in (self.stream_options.model_extra or {})] if self.stream_options else []
         extra = self.model_extra or {}
         return bad + sorted(k for k, v in extra.items() if k not in IGNORED_FIELDS and not _neutral(k, v, extra))
 
@@ -127,6 +126,7 @@ class _Common(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
             min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(), logit_bias=self._logit_bias(), structured=self.structured(),
+            n=1 if self.n is None else self.n,
             **{name: getattr(self, name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
                if getattr(self, name) is not None},
         )
@@ -340,34 +340,38 @@ def chat_logprobs(tokenizer, logprobs: list) -> dict:
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]} for lp in logprobs]}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                        logprobs: dict | None = None) -> dict:
-    return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_response(rid: str, model: str, text: str | None, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                  logprobs: dict | None = None, calls: list[dict] | None = None) -> dict:
+def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict | None = None, calls: list[dict] | None = None) -> dict:
     """``calls``: the reply's tool calls (then ``text`` is the content beside them, or None)."""
     message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-    return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    """``choices``: completion_choice's, by index; ``completion_tokens``: all choices'."""
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    """``choices``: chat_choice's, by index; ``completion_tokens``: all choices'."""
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
+                     index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None,
+               index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:

@@ -42,7 +42,8 @@ from ray.exceptions import RayActorError
 from kv_transfer.base import KVHandle, KVReceiver
 from pdserve.callers import Caller
 from pdserve.errors import FirstTokenMissingError, KVTransferError, WorkerStalledError
-from pdserve.messages import DecodeRequest, FreshRequest, LayerwiseKV, Migrated, PrefillRequest, PrefillResult, PrefillStarted, TokenChunk, WithKV
+from pdserve.messages import (ALL_CHOICES, ChoiceState, DecodeRequest, FreshRequest, LayerwiseKV, Migrated, PrefillRequest, PrefillResult,
+                              PrefillStarted, TokenChunk, WithKV)
 from pdserve.sampling import SamplingParams
 from router.placement import PrefillPlacement
 from router.retries import Attempts, RetryPolicy
@@ -77,8 +78,9 @@ class RequestPath:
         """The request's tokens as the pools produce them. Close it early (a stop string, a
         client that left) and both pools free what they hold at once."""
         local = self.prefill is None or self.placement.choose_local(len(prompt_ids))
-        if local:  # colocated, or prefilled by the decode replica itself (router/placement.py)
-            items = self._decode(FreshRequest(request_id, prompt_ids, params, caller=self.caller), [])
+        if local:  # colocated, or prefilled by the decode replica itself (router/placement.py); with n > 1, forked there
+            streamed = {i: [] for i in range(params.n)} if params.n > 1 else []
+            items = self._decode(FreshRequest(request_id, prompt_ids, params, caller=self.caller), streamed)
             prefilling = self.prefill is not None
             if prefilling:
                 self.placement.started(True, len(prompt_ids))
@@ -92,6 +94,14 @@ class RequestPath:
                 if prefilling:
                     self.placement.finished(True, len(prompt_ids))
                 await items.aclose()  # at once, not at garbage collection: the pool frees the request now
+            return
+        if params.n > 1:
+            items = self._stream_choices(request_id, prompt_ids, params)
+            try:
+                async for item in items:
+                    yield item
+            finally:
+                await items.aclose()
             return
         early_decode = None  # layer-wise: the decode call, started while prefill runs
         ahead, start, took = self.placement.started(False, len(prompt_ids)), time.perf_counter(), None
@@ -126,24 +136,61 @@ class RequestPath:
             if not finished:  # cancelled, failed or stopped by a stop string: prefill frees its copy now
                 self._release(first.kv)
 
-    async def _decode(self, request: DecodeRequest, streamed: list[int], call=None) -> AsyncIterator[TokenChunk]:
+    async def _stream_choices(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        """An n > 1 request prefilled by the prefill pool, once: it draws each choice's first
+        token, and decode forks the prompt's KV into the choices. Chunks carry their choice's
+        index; the stream ends when every choice has. Never layer-wise: the first tokens come
+        with the PrefillResult."""
+        ahead, start, took = self.placement.started(False, len(prompt_ids)), time.perf_counter(), None
+        try:
+            first = await self._prefill(PrefillRequest(request_id, prompt_ids, params, self.caller))
+            took = time.perf_counter() - start
+        finally:
+            self.placement.finished(False, len(prompt_ids), took, ahead)
+        going = [ChoiceState(c.index, (c.token_id,)) for c in first.choices if c.finish_reason is None]
+        finished, items = not going, None  # with none going on, prefill holds no KV
+        try:
+            for c in first.choices:
+                stopped = c.finish_reason == "stop"
+                yield TokenChunk([] if stopped else [c.token_id], c.finish_reason, None if c.logprob is None else ([] if stopped else [c.logprob]), c.index)
+            if not going:
+                return
+            request = WithKV(request_id, prompt_ids, params, going[0].streamed[0], first.kv, caller=self.caller, choices=tuple(going))
+            items = self._decode(request, {c.index: list(c.streamed) for c in going})
+            async for item in items:
+                yield item
+            finished = True
+        finally:
+            if items is not None:
+                await items.aclose()
+            if not finished:
+                self._release(first.kv)
+
+    async def _decode(self, request: DecodeRequest, streamed: list[int] | dict[int, list[int]], call=None) -> AsyncIterator[TokenChunk]:
         """Stream ``request`` from the decode pool; if the replica dies, migrate (see above).
-        ``streamed``: the tokens the client already has (the first one, in disaggregated mode).
-        ``call``: the decode call already started for it (layer-wise), if any."""
-        streamed, attempts = list(streamed), Attempts(self.decode_retries)
+        ``streamed``: the tokens the client already has (the first one, in disaggregated mode);
+        with n > 1, of each choice still open, by index. ``call``: the decode call already
+        started for it (layer-wise), if any."""
+        many = request.params.n > 1
+        streamed = {k: list(v) for k, v in streamed.items()} if many else {0: list(streamed)}  # the open choices' tokens
+        attempts = Attempts(self.decode_retries)
         while True:
             stream, call, finished, retry = call or self.decode.options(stream=True).generate.remote(request), None, False, False
             try:
                 async for item in stream:
-                    finished = item.finish_reason is not None
-                    streamed.extend(item.token_ids)
+                    index = item.index if many else 0
+                    if index in streamed:
+                        streamed[index].extend(item.token_ids)
+                    if item.finish_reason is not None:
+                        streamed.pop(index, None)
+                        finished = not streamed or item.index == ALL_CHOICES or not many
                     yield item
                     if finished:
                         return
                 return
             except (*REPLICA_GONE, FirstTokenMissingError) as e:
-                resend = isinstance(e, FirstTokenMissingError)
-                if resend and not streamed:
+                resend, num_streamed = isinstance(e, FirstTokenMissingError), sum(map(len, streamed.values()))
+                if resend and not num_streamed:
                     raise
                 if isinstance(request, (WithKV, LayerwiseKV)):  # it may have died before fetching: free prefill's copy now
                     self._release(request.kv)
@@ -153,9 +200,12 @@ class RequestPath:
                     log.warning("layer-wise KV for %s broke before its first token (%s); resending it with the token", request.request_id, e)
                 else:
                     self.num_migrations += 1
-                    log.warning("decode replica lost for %s after %d tokens (%s); migrating", request.request_id, len(streamed), type(e).__name__)
-                if streamed:  # go on after what the client has; with nothing yet (colocated), send it again as it was
-                    request = Migrated(request.request_id, request.prompt_ids, request.params, tuple(streamed), caller=self.caller)
+                    log.warning("decode replica lost for %s after %d tokens (%s); migrating", request.request_id, num_streamed, type(e).__name__)
+                if many and num_streamed:  # each open choice goes on after what the client has of it
+                    choices = tuple(ChoiceState(i, tuple(tokens)) for i, tokens in sorted(streamed.items()))
+                    request = Migrated(request.request_id, request.prompt_ids, request.params, (), caller=self.caller, choices=choices)
+                elif not many and streamed[0]:  # go on after what the client has; with nothing yet (colocated), send it again as it was
+                    request = Migrated(request.request_id, request.prompt_ids, request.params, tuple(streamed[0]), caller=self.caller)
                 retry = True
             finally:
                 if not finished:

@@ -34,6 +34,7 @@ from pdserve.callers import this_actor
 from pdserve.config import ClusterConfig, ConfigError
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
+from pdserve.messages import ALL_CHOICES
 from pdserve.metrics import RouterMetrics
 from pdserve.model_loader import load_tokenizer, resolve_model_dir
 from pdserve.replica_log import to_replica_log
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 
 # pb.SamplingParams' optional fields, each passed on to SamplingParams when set
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs",
-                    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "n")
 
 
 def _logprob_pb(lp) -> pb.TokenLogprob:
@@ -178,7 +179,8 @@ class Router:
             async for o in outputs:
                 yield pb.GenerateResponse(
                     request_id=client_id, token_ids=o.token_ids, text=o.text, finish_reason=o.finish_reason or "",
-                    prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, logprobs=[_logprob_pb(lp) for lp in o.logprobs])
+                    prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, logprobs=[_logprob_pb(lp) for lp in o.logprobs],
+                    index=o.index)
         finally:  # at once, not at garbage collection: a client that left frees both pools now
             await outputs.aclose()
 
@@ -261,14 +263,16 @@ class Router:
             self.admission.release(request_id)
 
     async def _generate_admitted(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Output]:
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stop = StopStringMatcher(params.stop)
+        # per choice (n > 1: by index): its detokenizer and stop strings; ended once it has finished
+        texts = [(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(params.stop)) for _ in range(params.n)]
+        ended: set[int] = set()
         num_prompt, num_generated = len(prompt_ids), 0
         start = last_token_at = time.perf_counter()
         reason = "abort"  # until a chunk says otherwise
 
-        def response(token_ids: list[int], finish_reason: str | None, logprobs=None) -> Output:
+        def response(index: int, token_ids: list[int], finish_reason: str | None, logprobs=None) -> Output:
             nonlocal num_generated, last_token_at, reason
+            detok, stop = texts[index]
             token_ids, logprobs = list(token_ids), list(logprobs or ())
             # with stop strings, token by token: a chunk (decode.stream_interval) ends at the token that completes a match
             pieces, text = [[t] for t in token_ids] if stop.stop and token_ids else [token_ids], ""
@@ -295,15 +299,23 @@ class Router:
                 self.admission.decoding(request_id)
             if finish_reason:
                 reason = finish_reason
-            return Output(token_ids, text, finish_reason, num_prompt, num_generated, logprobs)
+                ended.add(index)
+            return Output(token_ids, text, finish_reason, num_prompt, num_generated, logprobs, index)
 
         self.metrics.prompt_tokens.inc(num_prompt)
         items = self.path.stream(request_id, prompt_ids, params)
         try:
             async for item in items:
-                chunk = response(item.token_ids, item.finish_reason, item.logprobs)
+                if item.index == ALL_CHOICES and params.n > 1:  # aborted: every open choice ends
+                    for index in sorted(set(range(params.n)) - ended):
+                        yield response(index, [], item.finish_reason)
+                    return
+                index = item.index if params.n > 1 else 0
+                if index in ended:  # a choice that a stop string ended: decode's tokens after it are dropped
+                    continue
+                chunk = response(index, item.token_ids, item.finish_reason, item.logprobs)
                 yield chunk
-                if chunk.finish_reason:  # finished, or a stop string: closing the path frees both pools
+                if len(ended) == params.n:  # finished, or a stop string: closing the path frees both pools
                     return
         finally:
             await items.aclose()  # now, not at garbage collection: frees both pools' KV

@@ -149,6 +149,28 @@ class BlockManager:
                 self.hash_to_block_id.setdefault(block.hash, block.block_id)
             prefix_hash = block.hash
 
+    def fork(self, block_table: list[int], num_tokens: int, num_forks: int) -> tuple[list[list[int]], list[tuple[int, int]]] | None:
+        """``num_forks`` block tables for copies of a sequence whose first ``num_tokens`` tokens'
+        KV is in ``block_table``: the first is ``block_table`` itself; the others share its full
+        blocks (one more reference each) and get a fresh block for a partly filled last one,
+        which the next token of each fork writes into (copy-on-write, done at fork time as every
+        fork writes next). Returns (tables, [(source block, new block)] whose KV the caller
+        copies), or None with nothing taken if the pool is short."""
+        num_full, partial = divmod(num_tokens, self.block_size)
+        assert len(block_table) == num_full + (partial > 0), "the table must hold exactly num_tokens tokens"
+        num_copies = (num_forks - 1) * (partial > 0)
+        if not self.can_allocate(num_copies):
+            return None
+        tables, copies = [block_table], []
+        for _ in range(num_forks - 1):
+            table = [self._take(b, keep_content=True) for b in block_table[:num_full]]
+            if partial:
+                (new,) = self.allocate_blocks(1)
+                copies.append((block_table[num_full], new))
+                table.append(new)
+            tables.append(table)
+        return tables, copies
+
     def free(self, seq: Sequence) -> None:
         self.free_blocks(seq.block_table)
         seq.block_table = []

@@ -26,7 +26,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_layout import KVSpec
-from pdserve.sampling import finish_reason, sample, token_logprob
+from pdserve.sampling import FirstToken, finish_reason, sample, token_logprob
 from pdserve.structured import Grammars, fill_masks
 
 MASK_DEADLINE_S = 30.0  # longest a step waits for its grammar masks (a few us to ms each) before it fails
@@ -134,6 +134,20 @@ class Engine:
             self._publish_stats()
             return blocks
 
+    def fork(self, block_table: list[int], num_tokens: int, num_forks: int) -> list[list[int]] | None:
+        """``num_forks`` block tables over the KV of ``num_tokens`` tokens in ``block_table``
+        (an n > 1 request's prompt): the first is ``block_table``; the others share its full
+        blocks and own a copy of its partly filled last one (BlockManager.fork). None, with
+        nothing taken, if the pool has too few free blocks for the copies."""
+        with self.lock:
+            forked = self.block_manager.fork(block_table, num_tokens, num_forks)
+            if forked is None:
+                return None
+            tables, copies = forked
+            self.kv_cache.copy_blocks(copies)
+            self._publish_stats()
+            return tables
+
     def free_blocks(self, block_ids: list[int]) -> None:
         with self.lock:
             self.block_manager.free_blocks(block_ids)
@@ -177,6 +191,10 @@ class Engine:
                 continue
             if seq.grammar is not None:  # disallowed tokens at -inf: in the draw and in the logprobs, as vLLM masks them
                 row = self.backend.mask_logits_(row, masks[id(seq)])
+            if seq.params.n > 1:  # every choice's first token; its worker forks the blocks or hands them off
+                self._sample_choices(seq, row)
+                outputs.append(seq)
+                continue
             token = sample(row, seq.params, position=seq.num_tokens, num_generated=seq.num_generated, eos_token_ids=self.eos_token_ids,
                            token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
             seq.token_ids.append(token)
@@ -199,6 +217,37 @@ class Engine:
             outputs.append(seq)
         self.busy_s += time.perf_counter() - start
         return outputs
+
+    def _sample_choices(self, seq: Sequence, row: torch.Tensor) -> None:
+        """``seq`` (params.n > 1, its prompt computed; ``row``: [vocab], masked) gets its n
+        choices' first tokens in ``seq.choices``, each drawn as the lone request with
+        ``params.fork(i)`` would draw it, and stops there: its blocks kept while a choice goes
+        on (``finish_reason`` None), freed when each has ended (choice 0's reason). Choice 0's
+        token and logprob are its own. Raises ValueError for a sequence that would go on
+        decoding in this engine: n > 1 is forked by a worker (``fork``), not here."""
+        if not seq.stop_after_first_token or seq.num_generated:
+            raise ValueError(f"{seq.request_id}: n > 1 stops at its first tokens, for its worker to fork")
+        seq.choices = []
+        for i in range(seq.params.n):
+            params = seq.params.fork(i)
+            token = sample(row, params, position=seq.num_tokens, num_generated=0, eos_token_ids=self.eos_token_ids,
+                           token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
+            reason = finish_reason(token, 1, params, self.eos_token_ids)
+            if reason is None and seq.grammar is not None and token in self.eos_token_ids:
+                reason = "stop"  # the mask allowed EOS: the grammar has ended (as consume_token + is_stopped finds)
+            logprob = token_logprob(row, token, params.logprobs) if params.logprobs is not None else None
+            seq.choices.append(FirstToken(i, token, reason, logprob))
+        first = seq.choices[0]
+        seq.token_ids.append(first.token_id)
+        if first.logprob is not None:
+            seq.logprobs.append(first.logprob)
+        ended = all(c.finish_reason is not None for c in seq.choices)
+        seq.finish_reason = first.finish_reason if ended else None
+        self.scheduler.finish(seq, free_blocks=ended)
+        if seq.kv_progress is not None and ended:
+            seq.kv_progress.end()
+        elif seq.kv_progress is not None:
+            seq.kv_progress.finish(first.token_id)
 
     def stats(self) -> dict[str, float]:
         """Counters as of the last change (step, add, reserve, free, abort). Lock-free: a busy

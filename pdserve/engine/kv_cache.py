@@ -120,6 +120,18 @@ class PagedKVCache:
             block_rows(pool, self.num_blocks).index_copy_(1, block_ids, block_rows(src.to(self.device).contiguous(), len(block_ids)))
 
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's KV, every layer (a fork's copy-on-write)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
+        for layer in range(self.spec.num_layers):
+            for pool in (self.k[layer], self.v[layer]):
+                rows = block_rows(pool, self.num_blocks)
+                rows.index_copy_(1, dst, torch.index_select(rows, 1, src))
+
+
 def block_rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[kv_heads, num_blocks * block_size, head_dim] (or [kv_heads, num_blocks, block_size,
     head_dim]) -> [kv_heads, num_blocks, block words], a view of a contiguous ``t``. 16-bit

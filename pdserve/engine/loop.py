@@ -28,7 +28,7 @@ import time
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import Sequence, SeqStatus
 from pdserve.errors import WorkerStalledError
-from pdserve.messages import TokenChunk
+from pdserve.messages import ALL_CHOICES, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,10 @@ class EngineLoop:
         self.max_step_s = max_step_s
         self.nice = nice
         self._hang_file = os.environ.get(HANG_FILE_ENV)
-        self._outputs: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        # request id -> (its queue, the queue's event loop, ids of its sequences not yet finished):
+        # only those sequences' chunks reach the queue (a request id can be submitted again, as
+        # an n > 1 request is after decode prefills it: the earlier sequence's late chunk is not)
+        self._outputs: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop, set[int]]] = {}
         self._adds: list[Sequence] = []
         self._aborts: list[Sequence] = []
         self._lock = threading.Lock()  # guards _adds and _aborts
@@ -63,13 +66,20 @@ class EngineLoop:
         structured output cannot be served (its grammar is built here, not on the step
         thread: Engine.prepare), WorkerStalledError if a step is stuck.
         """
+        return self.submit_group([seq])
+
+    def submit_group(self, seqs: list[Sequence]) -> asyncio.Queue:
+        """Queue the choices of one request (an n > 1 request's forks: one request id, each
+        its ``index``) with one queue for all; their chunks carry the index, and the stream
+        closes when each has finished. Raises as ``submit``, before any is queued."""
         self.raise_if_stalled()
-        self.engine.check_fits(seq)
-        self.engine.prepare(seq)
+        for seq in seqs:
+            self.engine.check_fits(seq)
+            self.engine.prepare(seq)
         queue: asyncio.Queue = asyncio.Queue()
-        self._outputs[seq.request_id] = (queue, asyncio.get_running_loop())
         with self._lock:
-            self._adds.append(seq)  # the engine thread adds it before its next step
+            self._outputs[seqs[0].request_id] = (queue, asyncio.get_running_loop(), {id(seq) for seq in seqs})
+            self._adds.extend(seqs)  # the engine thread adds them before its next step
         self._wake.set()
         return queue
 
@@ -80,8 +90,8 @@ class EngineLoop:
         target = self._outputs.get(request_id)
         if target is None:
             return False
-        queue, loop = target
-        loop.call_soon_threadsafe(queue.put_nowait, TokenChunk([], "abort"))
+        queue, loop, _ = target
+        loop.call_soon_threadsafe(queue.put_nowait, TokenChunk([], "abort", index=ALL_CHOICES))
         return True
 
     def abort(self, seq: Sequence) -> None:
@@ -90,8 +100,10 @@ class EngineLoop:
         Also frees the blocks a finished prefill sequence kept for hand-off, so call
         it only while nobody else (a KV lease) owns them.
         """
-        self._outputs.pop(seq.request_id, None)
         with self._lock:
+            target = self._outputs.get(seq.request_id)
+            if target is not None and id(seq) in target[2]:
+                del self._outputs[seq.request_id]
             self._aborts.append(seq)
         self._wake.set()
 
@@ -153,13 +165,30 @@ class EngineLoop:
         self._wake.set()
 
     def _emit(self, seq: Sequence, item: TokenChunk | BaseException) -> None:
-        target = self._outputs.get(seq.request_id)
-        if target is not None:
-            queue, loop = target
+        with self._lock:
+            target = self._outputs.get(seq.request_id)
+        if target is not None and id(seq) in target[2]:
+            queue, loop, _ = target
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # its event loop has closed: nobody will read this request's queue
-                self._outputs.pop(seq.request_id, None)
+                self._drop(seq)
+
+    def _drop(self, seq: Sequence) -> None:
+        """No more chunks for ``seq``'s request."""
+        with self._lock:
+            target = self._outputs.get(seq.request_id)
+            if target is not None and id(seq) in target[2]:
+                del self._outputs[seq.request_id]
+
+    def _finished(self, seq: Sequence) -> None:
+        """``seq`` has finished: its request's stream closes once each of its sequences has."""
+        with self._lock:
+            target = self._outputs.get(seq.request_id)
+            if target is not None and id(seq) in target[2]:
+                target[2].discard(id(seq))
+                if not target[2]:
+                    del self._outputs[seq.request_id]
 
     def _set_nice(self) -> None:
         """Give this (the engine) thread its niceness; on Linux setpriority with a thread id
@@ -183,7 +212,7 @@ class EngineLoop:
                     self.engine.add(seq)
                 except Exception as e:  # checked at submit; anything else fails this request alone
                     self._emit(seq, e)
-                    self._outputs.pop(seq.request_id, None)
+                    self._drop(seq)
             for seq in aborts:
                 if seq.status is not SeqStatus.FINISHED:
                     self.engine.abort(seq)
@@ -208,16 +237,16 @@ class EngineLoop:
                 for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
                     self.engine.abort(seq)
                     self._emit(seq, e)
-                    self._outputs.pop(seq.request_id, None)
+                    self._drop(seq)
                 continue
             self._step_started = None
             for seq in outputs:
                 reason = seq.finish_reason
                 stopped = reason == "stop"  # the stop token itself is not returned
                 logprobs = None if seq.params.logprobs is None else ([] if stopped else seq.logprobs[-1:])
-                self._emit(seq, TokenChunk([] if stopped else [seq.token_ids[-1]], reason, logprobs))
+                self._emit(seq, TokenChunk([] if stopped else [seq.token_ids[-1]], reason, logprobs, seq.index))
                 if seq.status is SeqStatus.FINISHED:
-                    self._outputs.pop(seq.request_id, None)
+                    self._finished(seq)
             if self.engine.num_steps == steps_before:  # work is waiting for blocks: don't spin
                 self._wake.wait(timeout=0.005)
                 self._wake.clear()

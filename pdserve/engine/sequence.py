@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-from pdserve.sampling import SamplingParams, TokenLogprob
+from pdserve.sampling import FirstToken, SamplingParams, TokenLogprob
 
 
 class SeqStatus(Enum):
@@ -35,6 +35,10 @@ class Sequence:
     kv_progress: Any = None
     # params.structured's llguidance matcher (Engine.prepare), in the state after the output so far
     grammar: Any = None
+    index: int = 0  # which choice of its request this is (params.n > 1 runs one sequence per choice)
+    # params.n > 1, at its first token: every choice's first token (Engine: it stops there and
+    # keeps its blocks, which its worker forks or hands off)
+    choices: list[FirstToken] | None = None
 
     @property
     def num_tokens(self) -> int:

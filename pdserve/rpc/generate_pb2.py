@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/rpc/generate.proto\x12\x0bpdserve.rpc\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf2\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.pdserve.rpc.SamplingParams.LogitBiasEntry\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_p\"\xc6\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.pdserve.rpc.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.pdserve.rpc.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x15\n\x0bjson_schema\x18\x07 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x08 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\t \x01(\tH\x00\x12&\n\x06\x63hoice\x18\n \x01(\x0b\x32\x14.pdserve.rpc.ChoicesH\x00\x12\x11\n\x07grammar\x18\x0b \x01(\tH\x00\x42\x13\n\x11structured_output\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.pdserve.rpc.TopLogprob\"\xbd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.rpc.TokenLogprob\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\x99\x01\n\tGenerator\x12I\n\x08Generate\x12\x1c.pdserve.rpc.GenerateRequest\x1a\x1d.pdserve.rpc.GenerateResponse0\x01\x12\x41\n\x06Health\x12\x1a.pdserve.rpc.HealthRequest\x1a\x1b.pdserve.rpc.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/rpc/generate.proto\x12\x0bpdserve.rpc\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x88\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.pdserve.rpc.SamplingParams.LogitBiasEntry\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\x04\n\x02_n\"\xc6\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.pdserve.rpc.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.pdserve.rpc.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x15\n\x0bjson_schema\x18\x07 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x08 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\t \x01(\tH\x00\x12&\n\x06\x63hoice\x18\n \x01(\x0b\x32\x14.pdserve.rpc.ChoicesH\x00\x12\x11\n\x07grammar\x18\x0b \x01(\tH\x00\x42\x13\n\x11structured_output\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.pdserve.rpc.TopLogprob\"\xcc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.rpc.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\x99\x01\n\tGenerator\x12I\n\x08Generate\x12\x1c.pdserve.rpc.GenerateRequest\x1a\x1d.pdserve.rpc.GenerateResponse0\x01\x12\x41\n\x06Health\x12\x1a.pdserve.rpc.HealthRequest\x1a\x1b.pdserve.rpc.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
   _globals['_SAMPLINGPARAMS']._serialized_start=90
-  _globals['_SAMPLINGPARAMS']._serialized_end=716
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=504
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=552
-  _globals['_GENERATEREQUEST']._serialized_start=719
-  _globals['_GENERATEREQUEST']._serialized_end=1045
-  _globals['_CHOICES']._serialized_start=1047
-  _globals['_CHOICES']._serialized_end=1073
-  _globals['_TOPLOGPROB']._serialized_start=1075
-  _globals['_TOPLOGPROB']._serialized_end=1122
-  _globals['_TOKENLOGPROB']._serialized_start=1124
-  _globals['_TOKENLOGPROB']._serialized_end=1211
-  _globals['_GENERATERESPONSE']._serialized_start=1214
-  _globals['_GENERATERESPONSE']._serialized_end=1403
-  _globals['_HEALTHREQUEST']._serialized_start=1405
-  _globals['_HEALTHREQUEST']._serialized_end=1420
-  _globals['_HEALTHRESPONSE']._serialized_start=1422
-  _globals['_HEALTHRESPONSE']._serialized_end=1488
-  _globals['_GENERATOR']._serialized_start=1491
-  _globals['_GENERATOR']._serialized_end=1644
+  _globals['_SAMPLINGPARAMS']._serialized_end=738
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=520
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=568
+  _globals['_GENERATEREQUEST']._serialized_start=741
+  _globals['_GENERATEREQUEST']._serialized_end=1067
+  _globals['_CHOICES']._serialized_start=1069
+  _globals['_CHOICES']._serialized_end=1095
+  _globals['_TOPLOGPROB']._serialized_start=1097
+  _globals['_TOPLOGPROB']._serialized_end=1144
+  _globals['_TOKENLOGPROB']._serialized_start=1146
+  _globals['_TOKENLOGPROB']._serialized_end=1233
+  _globals['_GENERATERESPONSE']._serialized_start=1236
+  _globals['_GENERATERESPONSE']._serialized_end=1440
+  _globals['_HEALTHREQUEST']._serialized_start=1442
+  _globals['_HEALTHREQUEST']._serialized_end=1457
+  _globals['_HEALTHRESPONSE']._serialized_start=1459
+  _globals['_HEALTHRESPONSE']._serialized_end=1525
+  _globals['_GENERATOR']._serialized_start=1528
+  _globals['_GENERATOR']._serialized_end=1681
 # @@protoc_insertion_point(module_scope)

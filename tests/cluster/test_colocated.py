@@ -59,6 +59,15 @@ def test_openai_chat_and_stop_strings_work_colocated(cluster):
     assert cut.choices[0].message.content == text[: text.index("Paris")]
 
 
+def test_n_choices_prefill_once_and_each_equals_its_seed_alone_colocated(cluster, reference):
+    import openai
+
+    from test_e2e import check_n_choices
+
+    oai = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0, timeout=120)
+    check_n_choices(cluster, oai, text_prompt(reference[1], 45))
+
+
 def test_colocated_pool_is_back_at_baseline(cluster):
     import time
 

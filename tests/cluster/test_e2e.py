@@ -433,7 +433,8 @@ def test_openai_stop_string_is_not_returned(oai):
 @pytest.mark.parametrize("kwargs, message", [
     ({"model": "gpt-4"}, "unknown model"),
     ({"max_tokens": 9000}, "exceeds the model's context"),
-    ({"n": 2}, "unsupported parameter"),
+    ({"n": 65}, "n must be in \\[1, 64\\]"),
+    ({"best_of": 2}, "unsupported parameter.*best_of"),
     ({"temperature": -1}, "temperature"),
     ({"prompt": ""}, "prompt is empty"),
     ({"logprobs": 50}, "logprobs must be in"),
@@ -732,6 +733,65 @@ def test_prometheus_endpoint_has_the_pdserve_metrics(cluster):
     usage = [line for line in text.splitlines() if line.startswith("ray_pdserve_kv_cache_usage_perc{")]
     assert usage and all('replica="' in line and 'replica=""' not in line for line in usage), usage
     assert all(0.0 <= float(line.rsplit(" ", 1)[1]) <= 1.0 for line in usage)
+
+
+# -- n > 1 -------------------------------------------------------------------------------
+
+def check_n_choices(cluster, oai, prompt: list[int]) -> None:
+    """n = 4 with a seed, over gRPC and OpenAI, streamed or not: choice i is the request with
+    seed + i alone (ids, logprobs, text), the prompt counts once in usage, every choice's in
+    completion_tokens."""
+    grpc_args = dict(prompt_token_ids=prompt, max_tokens=10, temperature=0.9, seed=40, logprobs=2, ignore_eos=True)
+    alone = [cluster.generate(**{**grpc_args, "seed": 40 + i}) for i in range(4)]
+    got = cluster.generate(**grpc_args, n=4)
+    assert [c.token_ids for c in got.choices] == [a.token_ids for a in alone]
+    assert [c.logprobs for c in got.choices] == [a.logprobs for a in alone]
+    assert len({tuple(a.token_ids) for a in alone}) > 1 and (got.prompt_tokens, got.completion_tokens) == (len(prompt), 40)
+    args = dict(model="smollm2", prompt=prompt, max_tokens=10, temperature=0.9, seed=40, logprobs=2, extra_body={"ignore_eos": True})
+    done = oai.completions.create(n=4, **args)
+    alone_http = [oai.completions.create(**{**args, "seed": 40 + i}).choices[0] for i in range(4)]
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert [c.text for c in done.choices] == [a.text for a in alone] == [a.text for a in alone_http]
+    assert [c.logprobs.token_logprobs for c in done.choices] == [a.logprobs.token_logprobs for a in alone_http]
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(prompt), 40)
+    chunks = list(oai.completions.create(n=4, stream=True, stream_options={"include_usage": True}, **args))
+    texts, reasons = {}, {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert texts == {i: c.text for i, c in enumerate(done.choices)} and reasons == {i: "length" for i in range(4)}
+    assert chunks[-1].usage.completion_tokens == 40
+
+
+def test_n_choices_each_equal_their_seed_alone_across_the_handoff(cluster, oai, reference):
+    _, tokenizer = reference
+    before = pool_stats("router")
+    check_n_choices(cluster, oai, text_prompt(tokenizer, 45))
+    assert pool_stats("router")["num_prefill_remote"] > before["num_prefill_remote"]
+    messages = [{"role": "user", "content": "Name a colour."}]
+    done = oai.chat.completions.create(model="smollm2", messages=messages, n=3, max_tokens=8, temperature=1.0, seed=5)
+    chunks = list(oai.chat.completions.create(model="smollm2", messages=messages, n=3, max_tokens=8, temperature=1.0, seed=5, stream=True))
+    texts = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert texts == {i: c.message.content for i, c in enumerate(done.choices)}
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant") == [0, 1, 2]
+    prefill, decode = wait_until_idle(60)
+    assert prefill["num_held"] == 0 and decode["num_used_blocks"] == 0
+
+
+def test_an_n_request_cancelled_mid_stream_frees_every_fork(cluster, reference):
+    _, tokenizer = reference
+    call = cluster.stream(prompt_token_ids=text_prompt(tokenizer, 60), max_tokens=200, temperature=1.0, seed=3, ignore_eos=True, n=4)
+    for i, _ in enumerate(call):
+        if i == 10:
+            break
+    call.cancel()
+    prefill, decode = wait_until_idle(60)
+    assert prefill["num_held"] == 0 and prefill["num_used_blocks"] == 0
+    assert decode["num_running"] == 0 and decode["num_waiting"] == 0 and decode["num_used_blocks"] == 0
 
 
 def test_nothing_is_left_held_or_running(cluster):

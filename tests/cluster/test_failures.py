@@ -106,13 +106,16 @@ def test_a_prefill_replica_killed_mid_request_is_retried_on_the_other(cluster, m
     wait_for_two_running()
 
 
-def stream_through(cluster, model, fault, seed: int) -> None:
+def stream_through(cluster, model, fault, seed: int, with_choices: bool = False) -> None:
     """Stream 4 requests, call ``fault()`` once each has 5 tokens, then check every stream
-    equals the reference and at least one migrated."""
+    equals the reference and at least one migrated. ``with_choices``: a fifth, seeded, of
+    n = 3, each choice of which must equal the request with seed + i alone."""
     before = router_stats()["num_migrations"]
     prompts = [prompt(i + seed, 30 + 5 * i) for i in range(4)]
     got: list[list[int]] = [[] for _ in prompts]
     started = [threading.Event() for _ in prompts]
+    sampled = dict(prompt_token_ids=prompt(seed + 9, 40), max_tokens=40, temperature=1.0, seed=seed, ignore_eos=True, timeout_s=300)
+    choices: dict[int, list[int]] = {0: [], 1: [], 2: []}
 
     def read(i: int):
         for chunk in cluster.stream(prompt_token_ids=prompts[i], max_tokens=40, ignore_eos=True, timeout_s=300):
@@ -120,7 +123,16 @@ def stream_through(cluster, model, fault, seed: int) -> None:
             if len(got[i]) >= 5:
                 started[i].set()
 
+    def read_choices():
+        for chunk in cluster.stream(**sampled, n=3):
+            choices[chunk.index].extend(chunk.token_ids)
+            if min(map(len, choices.values())) >= 5:
+                started[-1].set()
+
     threads = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
+    if with_choices:
+        started.append(threading.Event())
+        threads.append(threading.Thread(target=read_choices))
     for t in threads:
         t.start()
     for e in started:
@@ -130,12 +142,14 @@ def stream_through(cluster, model, fault, seed: int) -> None:
         t.join(300)
     for p, tokens in zip(prompts, got):
         assert tokens == reference_generate(model, p, 40, ignore_eos=True)
+    if with_choices:
+        assert choices == {i: cluster.generate(**{**sampled, "seed": seed + i}).token_ids for i in range(3)}
     assert router_stats()["num_migrations"] > before
 
 
 def test_a_decode_replica_killed_mid_stream_migrates_without_gaps_or_repeats(cluster, model):
     wait_for_two_running()
-    stream_through(cluster, model, lambda: kill_one("decode"), seed=10)
+    stream_through(cluster, model, lambda: kill_one("decode"), seed=10, with_choices=True)
     wait_for_two_running()
 
 

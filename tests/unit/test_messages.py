@@ -11,7 +11,7 @@ P, H = SamplingParams(), KVHandle("grpc", "127.0.0.1:1", "t", 3)
 
 def test_each_kind_carries_only_what_it_needs():
     fields = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
-    common = ["request_id", "prompt_ids", "params", "caller"]  # caller: keyword-only (pdserve/callers.py)
+    common = ["request_id", "prompt_ids", "params", "caller", "choices"]  # keyword-only: caller (pdserve/callers.py), choices (n > 1)
     assert fields(FreshRequest) == common
     assert fields(WithKV) == [*common, "first_token", "kv"]
     assert fields(LayerwiseKV) == [*common, "kv"]

@@ -41,8 +41,7 @@ def test_wrong_types_are_refused_naming_the_field(field, value):
         parse(oa.CompletionRequest, prompt="Hi", **{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("n", 2),
-                                          ("functions", [{"name": "f"}])])
+@pytest.mark.parametrize("field, value", [("best_of", 2), ("functions", [{"name": "f"}])])
 def test_unsupported_parameters_are_refused_not_ignored(field, value):
     with pytest.raises(InvalidRequestError, match=f"unsupported parameter.*{field}"):
         parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], **{field: value})
@@ -130,8 +129,17 @@ def test_a_stuck_worker_is_a_503_not_a_500():
 def test_a_seed_past_int64_is_refused_by_name():
     """gRPC carries seeds as int64; over HTTP a larger one is a 400 naming the range."""
     params = parse(oa.CompletionRequest, prompt="Hi", seed=2**64 + 5).sampling_params(16)
-    with pytest.raises(InvalidRequestError, match=r"seed must be in \[0, 2\*\*63\), got 18446744073709551621"):
+    with pytest.raises(InvalidRequestError, match=r"seed must be in \[0, 2\*\*63 - n\] \(choice i takes seed \+ i\), got 18446744073709551621"):
         params.validate(1, 100)
+
+
+def test_n_reaches_the_sampling_parameters_and_is_checked():
+    assert parse(oa.ChatCompletionRequest, messages=[{"role": "user", "content": "Hi"}], n=3).sampling_params(16).n == 3
+    assert parse(oa.CompletionRequest, prompt="Hi").sampling_params(16).n == 1
+    with pytest.raises(InvalidRequestError, match=r"n must be in \[1, 64\], got 0"):
+        parse(oa.CompletionRequest, prompt="Hi", n=0).sampling_params(16).validate(1, 100)
+    with pytest.raises(InvalidRequestError, match="n"):
+        parse(oa.CompletionRequest, prompt="Hi", n="2")
 
 
 def test_an_error_names_the_field_it_is_about_as_openais_param():
