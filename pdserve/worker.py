@@ -16,6 +16,7 @@ from pdserve.config import ClusterConfig, ConfigError, PoolConfig
 from pdserve.engine.allocator import release_free_memory
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.kv_cache import PagedKVCache, PoolMemory
+from pdserve.engine.models import UnsupportedModelError, check_supported
 from pdserve.kv_fingerprint import KVFingerprint
 from pdserve.kv_layout import KVSpec
 from pdserve.model_loader import gguf_source, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
@@ -97,8 +98,12 @@ def check_pools(cfg: ClusterConfig, model_config, dtype: str) -> None:
     from (``pdserve up``) so that it fails in one line, not in Ray's logs. ``model_config``:
     the model's transformers config; ``dtype``: the settled dtype name (``resolve_dtype``).
     Raises ConfigError naming the pool and the problem."""
-    spec = KVSpec.from_model_config(model_config, getattr(torch, dtype))
     max_len = max_model_len(cfg, model_config)
+    try:
+        check_supported(model_config, max_len=max_len)
+    except UnsupportedModelError as e:
+        raise ConfigError(str(e)) from None
+    spec = KVSpec.from_model_config(model_config, getattr(torch, dtype))
     for name in ("colocated",) if cfg.mode == "colocated" else ("prefill", "decode"):
         engine_config(getattr(cfg, name), spec, max_len, name, cfg.model.backend)
 

@@ -79,9 +79,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                               "here every other test must run (tests/conftest.py, GPU_SKIPS)", red=True)
 
 
+# rope scaling with a short original context, so that the prompts of the tests reach past it
+ROPE_SCALING = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+
 def tiny_model(family: str, seed: int = 0):
-    """A tiny random-weight causal LM (float32) of the given family: "llama" or "qwen2"."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """A tiny random-weight causal LM (float32) of the given family: "llama", "qwen2",
+    "qwen3" (per-head q/k norms, head_dim 32 != hidden / heads), "mistral" (its window as
+    long as the context), "phi3" (fused checkpoint projections), "mixtral" and "qwen3_moe" (experts), or "llama3_rope" /
+    "yarn_rope" (Llama with that rope scaling, ROPE_SCALING)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     torch.manual_seed(seed)
     common = dict(
@@ -89,8 +99,30 @@ def tiny_model(family: str, seed: int = 0):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**common)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    if family == "qwen3":
+        config = Qwen3Config(**common, head_dim=32)
+    elif family == "mistral":  # a window as long as the context: the same as full attention, which the engine serves
+        config = MistralConfig(**common, head_dim=32, sliding_window=512)
+    elif family == "phi3":  # QKV and gate-up stored fused
+        config = Phi3Config(**common)
+    elif family == "mixtral":  # 4 experts, 2 per token
+        config = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    elif family == "qwen3_moe":  # layer 0 an MoE of 4 experts (2 per token, not renormalized), layer 1 dense
+        config = Qwen3MoeConfig(**common, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)
+    elif family.endswith("_rope"):
+        config = LlamaConfig(**common, rope_scaling=ROPE_SCALING[family.removesuffix("_rope")])
+    else:
+        config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**common)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():  # HF initializes norms to ones and may leave routers at zero: random, so a skipped one shows
+        for layer in model.model.layers:
+            if hasattr(layer.self_attn, "q_norm"):
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "weight") and layer.mlp.gate.weight.dim() == 2 and hasattr(layer.mlp, "experts"):
+                layer.mlp.gate.weight.normal_(0, 0.5)
+    return model
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ def test_first_token_stop_gives_empty_output_and_no_decode_step(cluster, referen
         ({"prompt_token_ids": [-3, 5], "max_tokens": 8}, "outside the vocabulary"),
         ({"prompt": "Hello", "max_tokens": -5}, "max_tokens must be >= 1"),
         ({"prompt": "Hello", "max_tokens": 8, "top_p": 0.0}, "top_p must be in (0, 1]"),
-        ({"prompt": "Hello", "max_tokens": 8, "seed": -1}, "seed must be in [0, 2**63)"),
+        ({"prompt": "Hello", "max_tokens": 8, "seed": -1}, "seed must be in [0, 2**63 - n]"),
         ({"prompt": "Hello", "max_tokens": 8, "stop_token_ids": [10**9]}, "stop_token_ids has 1000000000"),
         ({"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 8}, "message role 'wizard'"),
         ({"messages": [{"role": "user", "content": " "}], "max_tokens": 8}, "every message has empty content"),

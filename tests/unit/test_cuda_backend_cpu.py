@@ -99,7 +99,7 @@ def test_cuda_is_refused_off_a_gpu_without_the_test_switch(monkeypatch):
     assert backends.resolve("auto", torch.float32, torch.device("cpu")) != "cuda"  # the switch never picks cuda itself
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen3_moe", "llama3_rope"])
 def test_batched_chunked_prefill_and_decode_equal_generate(family, spy):
     model, reference = tiny_model(family), tiny_model(family)
     engine = cuda_engine(model, num_blocks=128, block_size=4, max_num_batched_tokens=64, chunk_size=16)

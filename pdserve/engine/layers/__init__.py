@@ -2,7 +2,8 @@
 
 from pdserve.engine.layers.embedding import Embedding
 from pdserve.engine.layers.linear import Linear
+from pdserve.engine.layers.moe import MoE
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import Rotary
 
-__all__ = ["Embedding", "Linear", "RMSNorm", "Rotary"]
+__all__ = ["Embedding", "Linear", "MoE", "RMSNorm", "Rotary"]

@@ -40,6 +40,10 @@ def _cat(params: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | No
 
 
 class DecoderLayer:
+    # the checkpoint's projections fused into one linear layer each, in this order
+    QKV = ("q_proj", "k_proj", "v_proj")
+    GATE_UP = ("gate_proj", "up_proj")
+
     def __init__(self, backend: Backend, params: dict[str, torch.Tensor], prefix: str, index: int, cfg, rotary: Rotary,
                  quantized: dict[str, QuantizedWeight]):
         self.backend, self.index, self.rotary = backend, index, rotary
@@ -53,10 +57,9 @@ class DecoderLayer:
             q = QuantizedWeight.cat([quantized.get(n) for n in w]) if quantized else None
             return Linear(backend, _cat(params, w), _cat(params, [n + ".bias" for n in names]), q, "+".join(w))
 
-        self.qkv = linear([attn + p for p in ("q_proj", "k_proj", "v_proj")])
+        self.qkv = linear([attn + p for p in self.QKV])
         self.o_proj = linear([attn + "o_proj"])
-        self.gate_up = linear([mlp + "gate_proj", mlp + "up_proj"])
-        self.down = linear([mlp + "down_proj"])
+        self.init_mlp(linear, params, mlp, cfg)
         self.input_norm = RMSNorm(backend, params[prefix + "input_layernorm.weight"], eps)
         self.post_norm = RMSNorm(backend, params[prefix + "post_attention_layernorm.weight"], eps)
 
@@ -65,17 +68,40 @@ class DecoderLayer:
         n, d = h.shape[0], self.head_dim
         x, residual = self.input_norm(h, residual)
         qkv = self.qkv(x)  # [N, (heads + 2 kv_heads) * D]
-        q_end, k_end = self.heads * d, (self.heads + self.kv_heads) * d
-        qk = self.rotary(qkv[:, :k_end].view(n, self.heads + self.kv_heads, d), meta.positions)  # q and k heads side by side
+        k_end = (self.heads + self.kv_heads) * d
+        qk = self.rotary(self.qk_heads(qkv, n), meta.positions)  # q and k heads side by side
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = qkv[:, k_end:].view(n, self.kv_heads, d)
         o = self.backend.forward(self.index, q, k, v, meta, self.scale)  # [N, heads * D]
         x, residual = self.post_norm(self.o_proj(o), residual)
-        return self.down(self.backend.silu_mul(self.gate_up(x))), residual
+        return self.mlp(x), residual
+
+    def init_mlp(self, linear, params: dict[str, torch.Tensor], prefix: str, cfg) -> None:
+        """The feed-forward's weights (``prefix``: "model.layers.{i}.mlp."); ``linear(names)``
+        fuses the named projections into one Linear."""
+        self.gate_up = linear([prefix + p for p in self.GATE_UP])
+        self.down = linear([prefix + "down_proj"])
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, H] -> the feed-forward's output [N, H]."""
+        return self.down(self.backend.silu_mul(self.gate_up(x)))  # fused gate-up: [N, 2 I]
+
+    def linears(self) -> list[Linear]:
+        """Every linear layer, in the order a step reads them."""
+        return [self.qkv, self.o_proj, self.gate_up, self.down]
+
+
+    def qk_heads(self, qkv: torch.Tensor, n: int) -> torch.Tensor:
+        """qkv: [N, (heads + 2 kv_heads) * D] -> the q and k heads before rotary, [N, heads + kv_heads, D]
+        (a view here; a family that normalizes them returns a new tensor)."""
+        return qkv[:, : (self.heads + self.kv_heads) * self.head_dim].view(n, self.heads + self.kv_heads, self.head_dim)
 
 
 class LlamaForCausalLM:
     """pdserve's model for ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints."""
+
+    layer_class = DecoderLayer
+    fusable = True  # the cpu backend's one-call decoder (cpu/decoder.c) computes exactly these layers
 
     def __init__(self, hf_model: torch.nn.Module, backend: Backend, max_positions: int, quantized: dict[str, QuantizedWeight] | None = None):
         """hf_model: the loaded transformers model (weights, config, rotary table);
@@ -94,8 +120,8 @@ class LlamaForCausalLM:
         quantized = quantized or {}
         embed = params["model.embed_tokens.weight"]
         self.embed = Embedding(embed, quantized.get("model.embed_tokens.weight"))
-        self.layers = [DecoderLayer(backend, params, f"model.layers.{i}.", i, cfg, rotary, quantized) for i in range(cfg.num_hidden_layers)]
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        self.layers = [self.layer_class(backend, params, f"model.layers.{i}.", i, cfg, rotary, quantized) for i in range(cfg.num_hidden_layers)]
+        linears = [lin for layer in self.layers for lin in layer.linears()]
         if 0 < sum(lin.quantized for lin in linears) < len(linears):
             log.warning("quantized weights for %d of %d decoder linear layers: all dense", sum(lin.quantized for lin in linears), len(linears))
             for lin in linears:
@@ -109,7 +135,7 @@ class LlamaForCausalLM:
             lin.packed = packed
         self.quantized = {"layers": linears[0].quantized if linears else False, "lm_head": self.lm_head.quantized,
                           "embedding": self.embed.quantized}
-        self.fused = backend.fuse_layers(self.layers)  # all layers in one backend call, or None
+        self.fused = backend.fuse_layers(self.layers) if self.fusable else None  # all layers in one backend call, or None
 
     @torch.inference_mode()
     def forward(self, meta: StepMetadata) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""Model families beyond Llama/Qwen2 (pdserve/engine/models): Qwen3's per-head q/k norms, and
+Llama 3.x's llama3 and yarn rope scaling, each on a tiny random checkpoint from transformers'
+own config class. float32 greedy ids equal HF ``model.generate`` in one engine (chunked,
+batched) and across a prefill -> decode hand-off; a needle's ids and logprobs are the same
+bits alone and in a batch; what the engine does not implement is refused by name, at
+``pdserve up``'s pre-flight as at load."""
+
+import random
+
+import pytest
+import torch
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
+
+from conftest import reference_generate, tiny_model
+from pdserve.config import ClusterConfig, ConfigError
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.models import UnsupportedModelError, check_supported
+from pdserve.engine.sequence import Sequence
+from pdserve.sampling import SamplingParams
+from pdserve.worker import check_pools
+from test_engine import assert_all_blocks_free, random_prompts, run_to_completion
+
+EOS = frozenset({2})
+FAMILIES = ["qwen3", "mistral", "phi3", "mixtral", "qwen3_moe", "llama3_rope", "yarn_rope"]
+PROMPTS = random_prompts([1, 9, 31, 33, 70], seed=5)  # past the rope scalings' original context of 32
+
+
+def engine_for(family: str, dtype=torch.float32, **config) -> Engine:
+    return Engine(tiny_model(family, seed=3).to(dtype), EngineConfig(**{"num_blocks": 128, "block_size": 4, **config}), EOS, 512)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_ids_equal_hf_generate_batched_and_chunked(family, backend):
+    """On the cpu backend (and the portable torch one; the cuda backend's code on the CPU:
+    test_cuda_backend_cpu.py)."""
+    reference = tiny_model(family, seed=3)
+    engine = engine_for(family, max_num_batched_tokens=40, chunk_size=16, backend=backend)
+    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    for seq in seqs:
+        engine.add(seq)
+    run_to_completion(engine)
+    for seq, p in zip(seqs, PROMPTS):
+        assert seq.token_ids[len(p):] == reference_generate(reference, p, 12, ignore_eos=True)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_to_decode_hand_off_equals_hf_generate(family):
+    reference = tiny_model(family, seed=3)
+    prefill, decode = engine_for(family), engine_for(family)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        first = Sequence(f"p{i}", list(p), len(p), params, stop_after_first_token=True)
+        prefill.add(first)
+        run_to_completion(prefill)
+        blocks = decode.reserve(len(p))
+        src, dst = torch.tensor(first.block_table[: len(blocks)]), torch.tensor(blocks)
+        for layer in range(decode.kv_spec.num_layers):
+            decode.kv_cache.write_blocks(layer, dst, *prefill.kv_cache.read_blocks(layer, src))
+        prefill.free_blocks(first.block_table)
+        seq = Sequence(f"d{i}", list(first.token_ids), len(p), params, num_computed_tokens=len(p), block_table=blocks)
+        decode.add(seq)
+        run_to_completion(decode)
+        assert seq.token_ids[len(p):] == reference_generate(reference, p, 10, ignore_eos=True)
+    assert_all_blocks_free(prefill)
+    assert_all_blocks_free(decode)
+
+
+def needle_outputs(engine: Engine, prompts: list[list[int]], where: int) -> list:
+    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.add(seq)
+    run_to_completion(engine)
+    return [(lp.token_id, lp.logprob, list(lp.top)) for lp in seqs[where].logprobs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_needle_is_the_same_bits_alone_and_anywhere_in_a_batch(family, dtype):
+    needle = random_prompts([37], seed=11)[0]
+    alone = needle_outputs(engine_for(family, dtype), [needle], 0)
+    rng = random.Random(family)
+    for batch in (3, 16):
+        others = random_prompts([rng.randint(1, 60) for _ in range(batch - 1)], seed=batch)
+        where = rng.randrange(batch)
+        assert needle_outputs(engine_for(family, dtype), [*others[:where], needle, *others[where:]], where) == alone
+
+
+@pytest.mark.parametrize("config, message", [
+    (LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic'"),
+    (LlamaConfig(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 64,
+                               "original_max_position_embeddings": 2048}), "rope type 'longrope'"),
+    (Qwen3Config(use_sliding_window=True, sliding_window=64), "sliding window of 64 tokens"),
+    (MistralConfig(sliding_window=4096), "a sliding window of 4096 tokens: .*serve at most 4096 tokens"),
+    (Phi3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial rotary"),
+    (Gemma2Config(architectures=["Gemma2ForCausalLM"]), "'Gemma2ForCausalLM' is not implemented.*supported: LlamaForCausalLM, "
+                                                         "MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"),
+    (LlamaConfig(hidden_act="gelu"), "hidden_act='gelu'"),
+])
+def test_what_the_engine_does_not_implement_is_refused_by_name_before_any_replica_starts(config, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        check_supported(config)
+    with pytest.raises(ConfigError, match=message):  # pdserve up's pre-flight (pdserve_app/cli.py)
+        check_pools(ClusterConfig.from_dict({}), config, "float32")
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "llama", "qwen2"])
+def test_the_implemented_families_pass_the_pre_flight(family):
+    check_pools(ClusterConfig.from_dict({}), tiny_model(family).config, "float32")
+
+
+def test_a_sliding_window_as_long_as_the_context_served_is_full_attention():
+    """Mistral's 4,096-token window: refused for its 32k context, served with model.max_model_len 4096."""
+    config = MistralConfig(sliding_window=4096, max_position_embeddings=32768)
+    with pytest.raises(ConfigError, match="serve at most 4096 tokens"):
+        check_pools(ClusterConfig.from_dict({}), config, "float32")
+    check_pools(ClusterConfig.from_dict({"model": {"max_model_len": 4096}}), config, "float32")
+
+
+def test_the_design_docs_model_table_lists_exactly_the_registry():
+    import pathlib
+    import re
+
+    from pdserve.engine.models import MODELS
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "design.md").read_text()
+    table = text[text.index("## Model support"):].split("\n\n")[2]
+    assert sorted(re.findall(r"^\| `(\w+ForCausalLM)` \| `(\w+)\.py`", table, re.M)) == sorted(
+        (arch, cls.__module__.rsplit(".", 1)[-1]) for arch, cls in MODELS.items())
