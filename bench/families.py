@@ -7,7 +7,9 @@ heads, intermediate 1536, vocab 49,152; 4 layers; the MoE families 4 experts of 
 own config class, in this machine's default dtype. Per family and backend: one prefill of
 ``--prompt`` tokens and the median decode step at batch 1 and 16. The ratio column is each
 figure over Llama's on the same backend in the same run (Llama runs as one fused C call per
-step on the cpu backend; the families with extra ops run op by op). Writes
+step on the cpu backend; the families with extra ops run op by op; a sliding window of 128
+tokens (``mistral_window``, Gemma's sliding layers) or soft-capping (Gemma 2) runs attention
+in torch rows). Writes
 bench/out/families.json.
 """
 
@@ -32,8 +34,8 @@ SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidd
 
 
 def checkpoint(family: str, dtype: torch.dtype):
-    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     torch.manual_seed(0)
     moe = dict(num_experts_per_tok=2)
@@ -42,12 +44,15 @@ def checkpoint(family: str, dtype: torch.dtype):
         "qwen2": lambda: Qwen2Config(**SHAPE),
         "qwen3": lambda: Qwen3Config(**SHAPE, head_dim=64),
         "mistral": lambda: MistralConfig(**SHAPE, head_dim=64, sliding_window=4096),
+        "mistral_window": lambda: MistralConfig(**SHAPE, head_dim=64, sliding_window=128),
+        "gemma2": lambda: Gemma2Config(**SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=128),
+        "gemma3": lambda: Gemma3TextConfig(**SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=128),
         "phi3": lambda: Phi3Config(**SHAPE),
         "mixtral": lambda: MixtralConfig(**{**SHAPE, "intermediate_size": 768}, num_local_experts=4, **moe),
         "qwen3_moe": lambda: Qwen3MoeConfig(**SHAPE, head_dim=64, num_experts=4, moe_intermediate_size=768, decoder_sparse_step=1,
                                             mlp_only_layers=[], norm_topk_prob=True, **moe),
     }[family]()
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager").eval()
 
 
 def measure(family: str, backend: str, dtype: torch.dtype, prompt_len: int, steps: int) -> dict[str, float]:
@@ -76,7 +81,7 @@ def measure(family: str, backend: str, dtype: torch.dtype, prompt_len: int, step
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="llama,qwen2,qwen3,mistral,phi3,mixtral,qwen3_moe")
+    parser.add_argument("--families", default="llama,qwen2,qwen3,mistral,mistral_window,phi3,mixtral,qwen3_moe,gemma2,gemma3")
     parser.add_argument("--backends", default="cpu,torch")
     parser.add_argument("--dtype", default="auto", help="auto: this machine's (bf16 with AVX512-BF16 or AMX, else float32)")
     parser.add_argument("--prompt", type=int, default=256)

@@ -15,8 +15,6 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-import torch
-
 from pdserve.errors import KVIncompatibleError
 from pdserve.kv_layout import KVSpec
 
@@ -65,13 +63,12 @@ class KVFingerprint:
         return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
 
 
-def weights_hash(model: torch.nn.Module) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        t = tensor.detach().contiguous().cpu()
-        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
-    return h.hexdigest()
+def weights_hash(model) -> str:
+    """``model``: a Checkpoint (engine/checkpoint.py: hashed as read, so after the engine is
+    built) or a transformers model (every parameter's bytes, in name order)."""
+    from pdserve.engine.checkpoint import Checkpoint
+
+    return Checkpoint.of(model).weights_hash()
 
 
 def tokenizer_hash(tokenizer) -> str:

@@ -174,12 +174,36 @@ def resolve_dtype(cfg) -> str:
 
 
 def load_model(model_dir: Path, dtype: str, device: str = "cpu"):
-    """Load the causal LM in eval mode. Raises ModelNotFoundError, ValueError for a bad dtype."""
+    """Load the transformers model in eval mode (the tests' reference; a replica reads
+    ``load_checkpoint``). Raises ModelNotFoundError, ValueError for a bad dtype."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa"
-    )
+    from transformers import AutoConfig
+
+    capped = getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None) is not None  # sdpa has no soft-capping
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="eager" if capped else "sdpa")
     return model.to(device).eval()
+
+
+def load_checkpoint(model_dir: Path, dtype: str, device: str = "cpu"):
+    """The model's weights for the engine (engine/checkpoint.py), read once into its layout:
+    a SafetensorsCheckpoint where ``model_dir`` has safetensors files (a converted GGUF
+    does), else the transformers model loaded whole (logged). Raises ModelNotFoundError,
+    ValueError for a bad dtype."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from pdserve.engine.checkpoint import ModuleCheckpoint, SafetensorsCheckpoint
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    if not any(Path(model_dir).glob("*.safetensors")):
+        log.info("%s has no safetensors files: loading it through transformers (two copies of the weights at load)", model_dir)
+        return ModuleCheckpoint(load_model(model_dir, dtype, device))
+    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # none saved: transformers derives one from the config
+        generation = GenerationConfig.from_model_config(config)
+    return SafetensorsCheckpoint(Path(model_dir), config, DTYPES[dtype], device, generation)

@@ -19,7 +19,7 @@ from pdserve.engine.kv_cache import PagedKVCache, PoolMemory
 from pdserve.engine.models import UnsupportedModelError, check_supported
 from pdserve.kv_fingerprint import KVFingerprint
 from pdserve.kv_layout import KVSpec
-from pdserve.model_loader import gguf_source, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
+from pdserve.model_loader import gguf_source, load_checkpoint, load_tokenizer, resolve_dtype, resolve_model_dir
 from pdserve.structured import Grammars
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ def rss_bytes() -> int:
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
-    ids = model.generation_config.eos_token_id
+    """The generation config's eos ids (``model``: a Checkpoint or transformers model) and the tokenizer's."""
+    generation = getattr(model, "generation_config", None)
+    ids = generation.eos_token_id if generation is not None else None
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
@@ -142,12 +144,11 @@ def build_engine(cfg: ClusterConfig, pool_name: str, kv_memory: KVMemoryHook | N
     device = worker_device(cfg)
     model_dir = resolve_model_dir(cfg.model.path)
     dtype = resolve_dtype(cfg)  # as app_config did: "auto" never reaches a worker deployed through it
-    model = load_model(model_dir, dtype, device)
+    model = load_checkpoint(model_dir, dtype, device)  # weights read as the engine packs them (one copy at load)
     tokenizer = load_tokenizer(model_dir)
     max_len = max_model_len(cfg, model.config)
     spec = KVSpec.from_model_config(model.config, model.dtype)
     config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name, cfg.model.backend)
-    fingerprint = KVFingerprint.of(model, tokenizer, cfg.model.path, config.block_size)
     if cfg.kv_transfer.backend == "cuda_ipc" and device != "cuda":
         raise ConfigError("kv_transfer.backend cuda_ipc needs both pools on GPUs (model.device, ray_actor_options.num_gpus)")
     memory, where = kv_memory(device, spec, config) if kv_memory is not None else (None, f"private {device} memory")
@@ -156,8 +157,11 @@ def build_engine(cfg: ClusterConfig, pool_name: str, kv_memory: KVMemoryHook | N
     eos = eos_token_ids(model, tokenizer)
     grammars = Grammars(tokenizer, model.config.vocab_size, eos)  # structured output's grammars (~0.4 s to build)
     engine = Engine(model, config, eos, max_len, kv_memory=memory, quantized=quantized, grammars=grammars)
+    fingerprint = KVFingerprint.of(model, tokenizer, cfg.model.path, config.block_size)  # the weights as they were read
     if quantized is not None:
         log.info("%s: linear layers over the GGUF's blocks: %s", pool_name, engine.model.quantized)
+    if hasattr(model, "close"):
+        model.close()
     del model  # the engine holds what it computes with (no dense copy where it reads blocks)
     release_free_memory()
     return engine, fingerprint

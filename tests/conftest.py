@@ -86,16 +86,19 @@ ROPE_SCALING = {
 }
 
 
-def tiny_model(family: str, seed: int = 0):
+def tiny_model(family: str, seed: int = 0, vocab_size: int = 256):
     """A tiny random-weight causal LM (float32) of the given family: "llama", "qwen2",
     "qwen3" (per-head q/k norms, head_dim 32 != hidden / heads), "mistral" (its window as
     long as the context), "phi3" (fused checkpoint projections), "mixtral" and "qwen3_moe" (experts), or "llama3_rope" /
-    "yarn_rope" (Llama with that rope scaling, ROPE_SCALING)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    "yarn_rope" (Llama with that rope scaling, ROPE_SCALING), "mistral_window" (a window of 8 tokens), "gemma2" and
+    "gemma3" (sliding and global layers, soft-capping). vocab_size: the bundled tokenizer's
+    49,152 where a worker serves it (it loads the directory's tokenizer)."""
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
@@ -110,12 +113,25 @@ def tiny_model(family: str, seed: int = 0):
     elif family == "qwen3_moe":  # layer 0 an MoE of 4 experts (2 per token, not renormalized), layer 1 dense
         config = Qwen3MoeConfig(**common, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                 decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)
+    elif family == "mistral_window":  # a window shorter than most prompts: attention over the last 8 positions
+        config = MistralConfig(**common, head_dim=32, sliding_window=8)
+    elif family == "gemma2":  # alternating sliding (8 tokens) and global layers, soft-capping that bites, a query scalar != head_dim
+        config = Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=1.0, initializer_range=0.2,
+                              final_logit_softcapping=3.0)
+    elif family == "gemma3":  # q/k norms, a sliding layer with its own rope base, then a global one
+        config = Gemma3TextConfig(**common, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"])
     elif family.endswith("_rope"):
         config = LlamaConfig(**common, rope_scaling=ROPE_SCALING[family.removesuffix("_rope")])
     else:
         config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**common)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
-    with torch.no_grad():  # HF initializes norms to ones and may leave routers at zero: random, so a skipped one shows
+    attention = "eager" if family.startswith("gemma") else "sdpa"  # HF's sdpa path has no soft-capping
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention).eval()
+    with torch.no_grad():  # HF initializes norms to ones (Gemma's to zero) and may leave routers at zero: random, so a skipped one shows
+        if family.startswith("gemma"):
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.3)
         for layer in model.model.layers:
             if hasattr(layer.self_attn, "q_norm"):
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)

@@ -18,6 +18,7 @@ import torch
 from pdserve.engine import backends
 from pdserve.engine.allocator import keep_freed_memory
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.checkpoint import Checkpoint
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import PagedKVCache, PoolMemory
 from pdserve.engine.model_runner import ModelRunner
@@ -56,7 +57,8 @@ class EngineConfig:
 class Engine:
     def __init__(self, model, config: EngineConfig, eos_token_ids: frozenset[int], max_model_len: int,
                  kv_memory: PoolMemory | None = None, quantized: dict | None = None, grammars: Grammars | None = None):
-        """The engine runs where ``model`` is (CPU or a CUDA device). ``kv_memory``: where the
+        """``model``: a Checkpoint (engine/checkpoint.py) or a loaded transformers model; the
+        engine runs where it is (CPU or a CUDA device). ``kv_memory``: where the
         KV pool lives (engine/kv_cache.py's PoolMemory: private memory by default; the KV
         transfer provides ones a same-node peer can map); ``quantized``: the
         model's weights in GGUF blocks by parameter name (engine/quantized.py), for linear
@@ -66,9 +68,10 @@ class Engine:
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        model = Checkpoint.of(model)
         self.vocab_size = model.config.vocab_size  # logits per row
         self.kv_spec = KVSpec.from_model_config(model.config, model.dtype)
-        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, next(model.parameters()).device, kv_memory)
+        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, model.device, kv_memory)
         device = self.kv_cache.device
         use_graphs = config.cuda_graphs if config.cuda_graphs is not None else (config.optimize and device.type == "cuda")
         if use_graphs and config.num_blocks < 2:

@@ -79,3 +79,45 @@ def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(view)
         offset += size
     return out
+
+
+class Arena:
+    """One reserved run of huge pages that tensors are carved from in order, each at a
+    64-byte boundary: a model's packed weights written straight into the run a decode step
+    streams (what ``gather`` gives), with no second copy at load. ``capacity`` bytes are
+    reserved as address space only (``MAP_NORESERVE``): a page becomes resident when a tensor
+    taken from it is first written, so an over-estimate costs no memory. Off Linux, or where
+    the mapping is refused, every ``take`` returns None (the caller allocates as usual)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used, self._flat = capacity, 0, None
+        if capacity < MIN_BYTES or not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return
+        try:
+            buf = mmap.mmap(-1, capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+        except OSError:
+            return
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+        offset = -flat.data_ptr() % HUGE_PAGE
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE, offset, capacity)
+        except OSError:
+            pass
+        self._flat = flat[offset : offset + capacity]
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A 1-D tensor of ``numel`` elements (zeros until written) from the run, or None where
+        the run has no room left."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._flat is None or self.used + nbytes > self.capacity:
+            return None
+        out = self._flat[self.used : self.used + nbytes].view(dtype)
+        self.used += -(-nbytes // 64) * 64
+        return out
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory lies in this arena."""
+        if self._flat is None:
+            return False
+        start = self._flat.data_ptr()
+        return start <= t.data_ptr() < start + self.capacity

@@ -96,6 +96,20 @@ def check_logprobs_close(ours, theirs) -> None:
                 break
 
 
+def assert_logprobs_close_to_reference(engine, reference, prompts: list[list[int]], num_tokens: int) -> tuple[list, list]:
+    """Greedy ``num_tokens`` per prompt, all in ``engine`` at once with top-5 logprobs, against
+    ``reference_top_logprobs`` by ``check_logprobs_close``. Returns (ours, theirs)."""
+    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=num_tokens, ignore_eos=True, logprobs=5))
+            for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.add(seq)
+    run_to_completion(engine)
+    theirs = [reference_top_logprobs(reference, p, num_tokens) for p in prompts]
+    ours = [(s.token_ids[s.num_prompt_tokens:], [{t.token_id: t.logprob for t in lp.top} for lp in s.logprobs]) for s in seqs]
+    check_logprobs_close(ours, theirs)
+    return ours, theirs
+
+
 def test_bfloat16_logprobs_close_to_the_reference(real):
     """bf16 against HF bf16 ``generate``, vLLM's standard rule: 24 prompts of 1-600 tokens
     decoded together, 32 tokens each, top-5 logprobs. The share of prompts whose 32 tokens are
@@ -104,14 +118,7 @@ def test_bfloat16_logprobs_close_to_the_reference(real):
     lengths = [1, 2, 7, 16, 17, 33, 64, 90, 130, 250, 17, 45, 300, 400, 500, 600, 5, 11, 80, 120, 200, 260, 31, 3]
     prompts = [ids[i * 37 : i * 37 + n] for i, n in enumerate(lengths)]
     engine = engine_for(model_dir, "bfloat16", num_blocks=512)
-    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=32, ignore_eos=True, logprobs=5)) for i, p in enumerate(prompts)]
-    for seq in seqs:
-        engine.add(seq)
-    run_to_completion(engine)
-    reference = load_model(model_dir, "bfloat16")
-    theirs = [reference_top_logprobs(reference, p, 32) for p in prompts]
-    ours = [(s.token_ids[s.num_prompt_tokens:], [{t.token_id: t.logprob for t in lp.top} for lp in s.logprobs]) for s in seqs]
-    check_logprobs_close(ours, theirs)
+    ours, theirs = assert_logprobs_close_to_reference(engine, load_model(model_dir, "bfloat16"), prompts, 32)
     same = sum(a[0] == b[0] for a, b in zip(ours, theirs))
     print(f"bf16: {same}/{len(prompts)} prompts identical for 32 tokens ({engine.backend.name} backend)")
     assert_all_blocks_free(engine)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
+from transformers import DeepseekV2Config, LlamaConfig, Phi3Config
 
 from conftest import reference_generate, tiny_model
 from pdserve.config import ClusterConfig, ConfigError
@@ -21,7 +21,7 @@ from pdserve.worker import check_pools
 from test_engine import assert_all_blocks_free, random_prompts, run_to_completion
 
 EOS = frozenset({2})
-FAMILIES = ["qwen3", "mistral", "phi3", "mixtral", "qwen3_moe", "llama3_rope", "yarn_rope"]
+FAMILIES = ["qwen3", "mistral", "mistral_window", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "llama3_rope", "yarn_rope"]
 PROMPTS = random_prompts([1, 9, 31, 33, 70], seed=5)  # past the rope scalings' original context of 32
 
 
@@ -87,16 +87,27 @@ def test_a_needle_is_the_same_bits_alone_and_anywhere_in_a_batch(family, dtype):
         assert needle_outputs(engine_for(family, dtype), [*others[:where], needle, *others[where:]], where) == alone
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_logprobs_close_to_hf_bfloat16(family, tmp_path):
+    """vLLM's ``check_logprobs_close`` (top-5) against HF bf16 ``generate``, each family: the
+    checkpoint saved and loaded back in bf16 by both sides (as a replica and HF load it)."""
+    from pdserve.model_loader import load_checkpoint, load_model
+    from test_engine_real import assert_logprobs_close_to_reference
+
+    tiny_model(family, seed=3).save_pretrained(tmp_path)
+    engine = Engine(load_checkpoint(tmp_path, "bfloat16"), EngineConfig(num_blocks=128, block_size=4, chunk_size=16), EOS, 512)
+    assert_logprobs_close_to_reference(engine, load_model(tmp_path, "bfloat16"), PROMPTS, 12)
+
+
 @pytest.mark.parametrize("config, message", [
     (LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic'"),
     (LlamaConfig(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 64,
                                "original_max_position_embeddings": 2048}), "rope type 'longrope'"),
-    (Qwen3Config(use_sliding_window=True, sliding_window=64), "sliding window of 64 tokens"),
-    (MistralConfig(sliding_window=4096), "a sliding window of 4096 tokens: .*serve at most 4096 tokens"),
     (Phi3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial rotary"),
-    (Gemma2Config(architectures=["Gemma2ForCausalLM"]), "'Gemma2ForCausalLM' is not implemented.*supported: LlamaForCausalLM, "
-                                                         "MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"),
-    (LlamaConfig(hidden_act="gelu"), "hidden_act='gelu'"),
+    (DeepseekV2Config(architectures=["DeepseekV2ForCausalLM"]), "'DeepseekV2ForCausalLM' is not implemented.*supported: Gemma2ForCausalLM, "
+     "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+     "Qwen3MoeForCausalLM"),
+    (LlamaConfig(hidden_act="gelu"), "activation 'gelu'"),
 ])
 def test_what_the_engine_does_not_implement_is_refused_by_name_before_any_replica_starts(config, message):
     with pytest.raises(UnsupportedModelError, match=message):
@@ -110,12 +121,23 @@ def test_the_implemented_families_pass_the_pre_flight(family):
     check_pools(ClusterConfig.from_dict({}), tiny_model(family).config, "float32")
 
 
-def test_a_sliding_window_as_long_as_the_context_served_is_full_attention():
-    """Mistral's 4,096-token window: refused for its 32k context, served with model.max_model_len 4096."""
-    config = MistralConfig(sliding_window=4096, max_position_embeddings=32768)
-    with pytest.raises(ConfigError, match="serve at most 4096 tokens"):
-        check_pools(ClusterConfig.from_dict({}), config, "float32")
-    check_pools(ClusterConfig.from_dict({"model": {"max_model_len": 4096}}), config, "float32")
+@pytest.mark.parametrize("family", ["mistral_window", "gemma2", "gemma3"])
+def test_windowed_and_soft_capped_logprobs_equal_hf_within_float32_rounding(family):
+    """Greedy ids hide a final soft-cap (monotonic) and often an attention one: the top-5
+    logprobs at every generated position against HF's eager forward over the same ids."""
+    reference = tiny_model(family, seed=3)
+    engine = engine_for(family, max_num_batched_tokens=40, chunk_size=16)
+    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5)) for i, p in enumerate(PROMPTS)]
+    for seq in seqs:
+        engine.add(seq)
+    run_to_completion(engine)
+    for seq, p in zip(seqs, PROMPTS):
+        with torch.no_grad():
+            logits = reference(torch.tensor([seq.token_ids[:-1]])).logits[0, len(p) - 1 :].float()  # [6, vocab]
+        want = torch.log_softmax(logits, dim=-1).topk(5)
+        for lp, values, ids in zip(seq.logprobs, want.values, want.indices):
+            assert [t.token_id for t in lp.top] == ids.tolist()
+            assert torch.allclose(torch.tensor([t.logprob for t in lp.top]), values, atol=1e-5, rtol=0)
 
 
 def test_the_design_docs_model_table_lists_exactly_the_registry():

@@ -15,7 +15,7 @@ bits alone, in any batch, whole or chunked, decoded or recomputed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,35 @@ class Backend(ABC):
         """Store k, v ([N, kv_heads, D]) and attend: q [N, heads, D] -> [N, heads * D].
         Token t sees its sequence's positions 0 .. meta.positions[t]."""
 
+    def forward_windowed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata, scale: float,
+                         window: int | None, softcap: float | None) -> torch.Tensor:
+        """``forward`` with what the compiled kernels lack: a sliding window (token t sees its
+        positions max(0, p - window + 1) .. p, HF's ``kv_idx > q_idx - sliding_window``) and
+        attention-logit soft-capping (``tanh(s / cap) * cap`` on the scaled scores, Gemma 2).
+        Torch ops, one query row at a time (batch invariant, as the torch backend), in HF's
+        eager order: scores in the model dtype, softmax in float32 cast back, then @ V.
+        q [N, heads, D], k, v [N, kv_heads, D] -> [N, heads * D]. Every backend's KV pool
+        has this layout, so each can run it."""
+        self.store_kv(layer, k, v, meta)
+        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # [kv_heads, slots, D]
+        heads, kv_heads, bs = q.shape[1], k_cache.shape[0], self.kv_cache.block_size
+        out = torch.empty(q.shape[0], heads, q.shape[2], dtype=q.dtype, device=q.device)
+        for i, end in enumerate(meta.context_lens):
+            first, stop = meta.query_starts[i], meta.query_starts[i + 1]
+            positions = torch.arange(end, device=q.device)
+            slots = meta.block_tables[i, positions // bs].long() * bs + positions % bs  # [end]
+            keys = k_cache[:, slots].repeat_interleave(heads // kv_heads, dim=0)  # [heads, end, D]
+            values = v_cache[:, slots].repeat_interleave(heads // kv_heads, dim=0)
+            for t in range(first, stop):
+                p = end - (stop - t)  # this token's position
+                lo = max(0, p - window + 1) if window is not None else 0
+                scores = torch.matmul(q[t][:, None], keys[:, lo : p + 1].transpose(1, 2)) * scale  # [heads, 1, keys]
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                out[t] = torch.matmul(probs, values[:, lo : p + 1])[:, 0]  # [heads, D]
+        return out.view(q.shape[0], -1)
+
     def fuse_layers(self, layers: list[Any]) -> Any | None:
         """The model's decoder layers (models/llama.py ``DecoderLayer``) as one callable,
         ``(h [N, H], meta) -> (h, residual)``, that computes what calling them one by one
@@ -115,6 +144,8 @@ class Backend(ABC):
         return None
 
     # -- arithmetic ----------------------------------------------------------------------------
+    pack_copies = False  # whether ``pack`` returns a copy (the caller may reuse the weight's memory after)
+
     @abstractmethod
     def pack(self, weight: torch.Tensor) -> Any:
         """A linear layer's weight [N, K] in this backend's form (done once at load)."""
@@ -122,6 +153,13 @@ class Backend(ABC):
     @abstractmethod
     def linear(self, x: torch.Tensor, packed: Any, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [M, K] -> [M, out_features]."""
+
+    @contextmanager
+    def loading(self, capacity: int):
+        """Scope in which a model packs its weights; ``capacity``: bytes at most that its
+        ``pack`` and ``pack_quantized`` results take. A backend may place them in one run of
+        memory in the order packed (default: nothing to do)."""
+        yield
 
     def arrange(self, packed: list[Any]) -> list[Any]:
         """The model's packed weights (``pack`` and ``pack_quantized`` results) in the order a

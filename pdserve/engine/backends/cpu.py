@@ -66,11 +66,29 @@ class CpuBackend(Backend):
 
         return run
 
+    pack_copies = True
+    _arena: huge_pages.Arena | None = None  # while loading
+    _loaded: huge_pages.Arena | None = None  # the last load's
+
+    @contextmanager
+    def loading(self, capacity: int):
+        """Packed weights go straight into one reserved run of huge pages (huge_pages.Arena),
+        in the order packed: the run ``arrange`` would copy them into, with no second copy."""
+        self._arena = arena = huge_pages.Arena(capacity)
+        try:
+            yield
+        finally:
+            self._arena = None
+            self._loaded = arena
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return ops.pack(weight)
+        return ops.pack(weight, self._arena.take if self._arena is not None else None)
 
     def arrange(self, packed: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One run of huge pages, in step order (huge_pages.gather: a decode step streams them)."""
+        """One run of huge pages, in step order (huge_pages.gather: a decode step streams them);
+        as they are where ``loading`` placed them all in one already."""
+        if self._loaded is not None and all(self._loaded.holds(t) for t in packed):
+            return packed
         return huge_pages.gather(packed)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -79,7 +97,8 @@ class CpuBackend(Backend):
     def pack_quantized(self, weight: QuantizedWeight) -> torch.Tensor | None:
         if not ops.quantized_ok(self.kv_cache.spec.dtype) or not ops.qpack_ok(weight.ggml_type, weight.out_features, weight.in_features):
             return None
-        return ops.qpack(weight.ggml_type, weight.data, weight.out_features, weight.in_features)
+        return ops.qpack(weight.ggml_type, weight.data, weight.out_features, weight.in_features,
+                         self._arena.take if self._arena is not None else None)
 
     def dequantize(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
         return ops.qdequant(packed, out_features, in_features)

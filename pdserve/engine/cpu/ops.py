@@ -41,13 +41,19 @@ def isa(dtype: torch.dtype = torch.bfloat16) -> str | None:
     return lib.linear_isa(int(dtype == torch.bfloat16)).decode() if lib is not None else None
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def _empty(alloc, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    out = alloc(numel, dtype) if alloc is not None else None
+    return out if out is not None else torch.empty(numel, dtype=dtype)
+
+
+def pack(weight: torch.Tensor, alloc=None) -> torch.Tensor:
     """weight: [N, K] float32 or bf16 (an nn.Linear's). Returns it packed for ``linear``
-    (linear.c's panels; a flat tensor of the same dtype)."""
+    (linear.c's panels; a flat tensor of the same dtype), in ``alloc(numel, dtype)``'s
+    memory where that gives some (huge_pages.Arena.take), else in torch's."""
     N, K = weight.shape
     lib = _lib("linear")
     w = weight.detach().contiguous()
-    out = torch.empty(lib.linear_packed_numel(N, K, _bf(w)), dtype=w.dtype)
+    out = _empty(alloc, lib.linear_packed_numel(N, K, _bf(w)), w.dtype)
     (lib.linear_pack_bf16 if _bf(w) else lib.linear_pack_f32)(w.data_ptr(), N, K, K, out.data_ptr())
     return out
 
@@ -118,9 +124,10 @@ def quantized_ok(dtype: torch.dtype) -> bool:
     return available("linear") and not (dtype == torch.bfloat16 and isa(dtype) == "amx_bf16")
 
 
-def qpack(ggml_type: int, data: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+def qpack(ggml_type: int, data: torch.Tensor, out_features: int, in_features: int, alloc=None) -> torch.Tensor:
     """data: [out_features, row bytes] uint8, a GGUF tensor's blocks as stored (each row
-    in_features / 32 blocks, or / 256 for the K-quants). Returns the packed form for ``qlinear`` (uint8, linear_q.h).
+    in_features / 32 blocks, or / 256 for the K-quants). Returns the packed form for ``qlinear`` (uint8, linear_q.h),
+    in ``alloc``'s memory where it gives some (as ``pack``).
     Raises ValueError for a type or shape it does not take (``qpack_ok``)."""
     lib = _lib("linear")
     size = lib.qlinear_packed_bytes(ggml_type, out_features, in_features)
@@ -128,7 +135,7 @@ def qpack(ggml_type: int, data: torch.Tensor, out_features: int, in_features: in
         raise ValueError(f"qlinear takes GGUF types {sorted(QUANT_TYPES.values())} with in_features % 32 == 0 (% 256 for Q4_K "
                          f"and Q6_K), not type {QUANT_TYPES.get(ggml_type, ggml_type)} [{out_features}, {in_features}]")
     data = data.contiguous()
-    out = torch.empty(size, dtype=torch.uint8)
+    out = _empty(alloc, size, torch.uint8)
     lib.qlinear_pack(ggml_type, data.data_ptr(), out_features, in_features, out.data_ptr())
     return out
 

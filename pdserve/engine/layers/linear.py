@@ -19,7 +19,8 @@ class Linear:
         [out_features] or None. Fused layers (QKV, gate-up) pass their weights concatenated
         along out_features. quantized: the same weight in GGUF blocks, used where the backend
         computes with them and their de-quantized values equal ``weight`` bit for bit in its
-        dtype (checked here; else the dense weight, with a warning naming the layer)."""
+        dtype (checked here; else the dense weight, with a warning naming the layer). Where the
+        backend packs a copy of a dense weight, ``self.weight`` is dropped (None)."""
         self.backend, self.weight, self.name = backend, weight.detach(), name
         self.out_features, self.in_features = weight.shape
         self.bias = bias.detach().contiguous() if bias is not None else None
@@ -27,6 +28,8 @@ class Linear:
         self.quantized = self.packed is not None
         if not self.quantized:
             self.packed = backend.pack(self.weight)
+            if self.packed.data_ptr() != self.weight.data_ptr():  # a packed copy: the dense weight goes (one copy kept)
+                self.weight = None
 
     def _pack_quantized(self, q: QuantizedWeight):
         if (q.out_features, q.in_features) != (self.out_features, self.in_features):

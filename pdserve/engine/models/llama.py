@@ -13,8 +13,9 @@ On the cpu backend all layers of a step run as one C call over the same kernels
 (``backend.fuse_layers``, cpu/decoder.c; the same bits), except in a prefill that streams its
 KV layer by layer, which marks each layer as it is stored.
 
-The weights come from the transformers model loaded by ``model_loader`` (HF directories and
-GGUF alike); its modules are not called. Shapes follow the config: Qwen2 adds biases to the
+The weights come from a Checkpoint (engine/checkpoint.py): read from the safetensors files
+straight into the fused layers (HF directories and converted GGUFs alike), or taken from a
+loaded transformers model, whose modules are not called. Shapes follow the config: Qwen2 adds biases to the
 QKV projection, Llama may (``attention_bias``, ``mlp_bias``); both tie or untie lm_head.
 """
 
@@ -25,18 +26,13 @@ import logging
 import torch
 
 from pdserve.engine.backends.base import Backend, StepMetadata
+from pdserve.engine.checkpoint import Checkpoint, CheckpointError
 from pdserve.engine.layers import Embedding, Linear, RMSNorm, Rotary
 from pdserve.engine.layers.rotary import rotary_tables
+from pdserve.engine.models.config import layer_window
 from pdserve.engine.quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
-
-
-def _cat(params: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
-    found = [params.get(n) for n in names]
-    if all(t is None for t in found):
-        return None
-    return torch.cat([t for t in found if t is not None])
 
 
 class DecoderLayer:
@@ -44,18 +40,23 @@ class DecoderLayer:
     QKV = ("q_proj", "k_proj", "v_proj")
     GATE_UP = ("gate_proj", "up_proj")
 
-    def __init__(self, backend: Backend, params: dict[str, torch.Tensor], prefix: str, index: int, cfg, rotary: Rotary,
+    def __init__(self, backend: Backend, params: Checkpoint, prefix: str, index: int, cfg, rotary: Rotary,
                  quantized: dict[str, QuantizedWeight]):
         self.backend, self.index, self.rotary = backend, index, rotary
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
+        self.window = layer_window(cfg, index)  # tokens, or None: full attention (LlamaForCausalLM drops one >= the context)
+        self.softcap = None  # attention-logit soft-capping (Gemma 2)
         eps = cfg.rms_norm_eps
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         def linear(names: list[str]) -> Linear:  # one projection, or several fused along out_features
             w = [n + ".weight" for n in names]
             q = QuantizedWeight.cat([quantized.get(n) for n in w]) if quantized else None
-            return Linear(backend, _cat(params, w), _cat(params, [n + ".bias" for n in names]), q, "+".join(w))
+            weight = params.cat(w, transient=backend.pack_copies and q is None)  # packed as a copy: read into a reused buffer
+            if weight is None:
+                raise CheckpointError(f"the checkpoint has none of {', '.join(w)}")
+            return Linear(backend, weight, params.cat([n + ".bias" for n in names]), q, "+".join(w))
 
         self.qkv = linear([attn + p for p in self.QKV])
         self.o_proj = linear([attn + "o_proj"])
@@ -72,9 +73,16 @@ class DecoderLayer:
         qk = self.rotary(self.qk_heads(qkv, n), meta.positions)  # q and k heads side by side
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = qkv[:, k_end:].view(n, self.kv_heads, d)
-        o = self.backend.forward(self.index, q, k, v, meta, self.scale)  # [N, heads * D]
+        o = self.attend(q, k, v, meta)  # [N, heads * D]
         x, residual = self.post_norm(self.o_proj(o), residual)
         return self.mlp(x), residual
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """Store k, v and attend (the backend's kernels; its torch rows where this layer has a
+        sliding window or soft-capping): q [N, heads, D] -> [N, heads * D]."""
+        if self.window is None and self.softcap is None:
+            return self.backend.forward(self.index, q, k, v, meta, self.scale)
+        return self.backend.forward_windowed(self.index, q, k, v, meta, self.scale, self.window, self.softcap)
 
     def init_mlp(self, linear, params: dict[str, torch.Tensor], prefix: str, cfg) -> None:
         """The feed-forward's weights (``prefix``: "model.layers.{i}.mlp."); ``linear(names)``
@@ -101,33 +109,34 @@ class LlamaForCausalLM:
     """pdserve's model for ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints."""
 
     layer_class = DecoderLayer
+    activations = ("silu",)  # the feed-forward's, as HF configs name them (check_supported)
     fusable = True  # the cpu backend's one-call decoder (cpu/decoder.c) computes exactly these layers
 
-    def __init__(self, hf_model: torch.nn.Module, backend: Backend, max_positions: int, quantized: dict[str, QuantizedWeight] | None = None):
-        """hf_model: the loaded transformers model (weights, config, rotary table);
-        max_positions: the longest sequence the engine serves (the rotary table's length);
-        quantized: the same weights in GGUF blocks by HF parameter name, for the linear
-        layers to read in place where the backend takes them (all decoder layers' or none,
-        as one fused call runs them; the LM head on its own)."""
-        cfg = hf_model.config
+    def __init__(self, checkpoint: Checkpoint, backend: Backend, max_positions: int, quantized: dict[str, QuantizedWeight] | None = None):
+        """checkpoint: the weights, config and rotary table (engine/checkpoint.py: read from
+        safetensors, or a loaded transformers model's); max_positions: the longest sequence
+        the engine serves (the rotary table's length); quantized: the same weights in GGUF
+        blocks by HF parameter name, for the linear layers to read in place where the backend
+        takes them (all decoder layers' or none, as one fused call runs them; the LM head on
+        its own). Raises CheckpointError for a tensor the checkpoint lacks."""
+        cfg = checkpoint.config
         self.config, self.backend = cfg, backend
-        self.dtype = hf_model.dtype
-        self.device = next(hf_model.parameters()).device
-        params = dict(hf_model.named_parameters(remove_duplicate=False))
-        hf_inner = hf_model.get_decoder()
-        cos, sin = rotary_tables(hf_inner.rotary_emb, max(max_positions, 1), self.device)
-        rotary = Rotary(backend, cos, sin)
+        self.dtype, self.device = checkpoint.dtype, checkpoint.device
+        params = checkpoint
+        rotary = self.make_rotary(checkpoint, backend, max_positions)
         quantized = quantized or {}
         embed = params["model.embed_tokens.weight"]
         self.embed = Embedding(embed, quantized.get("model.embed_tokens.weight"))
-        self.layers = [self.layer_class(backend, params, f"model.layers.{i}.", i, cfg, rotary, quantized) for i in range(cfg.num_hidden_layers)]
-        linears = [lin for layer in self.layers for lin in layer.linears()]
-        if 0 < sum(lin.quantized for lin in linears) < len(linears):
-            log.warning("quantized weights for %d of %d decoder linear layers: all dense", sum(lin.quantized for lin in linears), len(linears))
-            for lin in linears:
-                lin.to_dense()
-        self.norm = RMSNorm(backend, params["model.norm.weight"], cfg.rms_norm_eps)
-        self.lm_head = Linear(backend, params.get("lm_head.weight", embed), quantized=quantized.get("lm_head.weight"), name="lm_head.weight")
+        with backend.loading(checkpoint.nbytes() * 9 // 8 + (64 << 20)):  # packed weights straight into their place (a bound)
+            self.layers = [self.layer_class(backend, params, f"model.layers.{i}.", i, cfg, rotary, quantized) for i in range(cfg.num_hidden_layers)]
+            linears = [lin for layer in self.layers for lin in layer.linears()]
+            if 0 < sum(lin.quantized for lin in linears) < len(linears):
+                log.warning("quantized weights for %d of %d decoder linear layers: all dense", sum(lin.quantized for lin in linears), len(linears))
+                for lin in linears:
+                    lin.to_dense()
+            self.norm = RMSNorm(backend, params["model.norm.weight"], cfg.rms_norm_eps)
+            lm_head = params.get("lm_head.weight")
+            self.lm_head = Linear(backend, lm_head if lm_head is not None else embed, quantized=quantized.get("lm_head.weight"), name="lm_head.weight")
         every = (*linears, self.lm_head)  # in the order a step reads them
         for lin in every:  # what computes from blocks keeps no dense copy (the model's RSS)
             lin.drop_dense()
@@ -135,7 +144,38 @@ class LlamaForCausalLM:
             lin.packed = packed
         self.quantized = {"layers": linears[0].quantized if linears else False, "lm_head": self.lm_head.quantized,
                           "embedding": self.embed.quantized}
-        self.fused = backend.fuse_layers(self.layers) if self.fusable else None  # all layers in one backend call, or None
+        for layer in self.layers:
+            if layer.window is not None and layer.window >= max_positions:  # spans the whole context: full attention
+                layer.window = None
+        torch_rows = sorted({what for layer in self.layers for what, on in (("a sliding window", layer.window), ("logit soft-capping", layer.softcap))
+                             if on is not None})
+        if torch_rows:
+            log.info("%s: attention with %s runs in torch ops row by row (backends/base.py forward_windowed: the compiled "
+                     "attention kernels have neither); the rest on the %s backend", type(self).__name__, " and ".join(torch_rows), backend.name)
+        fusable = self.fusable and not torch_rows
+        self.fused = backend.fuse_layers(self.layers) if fusable else None  # all layers in one backend call, or None
+
+    def make_rotary(self, checkpoint: Checkpoint, backend: Backend, max_positions: int) -> Rotary:
+        """The rotary every layer takes: HF's table at positions 0 .. max_positions - 1."""
+        return Rotary(backend, *rotary_tables(checkpoint.rotary_emb(), max(max_positions, 1), self.device))
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model keeps: packed linear layers and their biases, the
+        embedding table (dense or blocks) and the norms."""
+        seen: dict[int, int] = {}
+
+        def add(t):
+            if isinstance(t, torch.Tensor):
+                seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+
+        lins = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
+        for lin in lins:
+            add(lin.packed), add(lin.bias)
+        add(self.embed.weight), add(self.embed.blocks), add(self.norm.weight)
+        for layer in self.layers:
+            for v in vars(layer).values():
+                add(getattr(v, "weight", None) if isinstance(v, RMSNorm) else None)
+        return sum(seen.values())
 
     @torch.inference_mode()
     def forward(self, meta: StepMetadata) -> torch.Tensor:

@@ -38,6 +38,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     layer_class = Qwen3DecoderLayer
     fusable = False
 
-    def __init__(self, hf_model, backend, max_positions: int, quantized=None):
+    def __init__(self, checkpoint, backend, max_positions: int, quantized=None):
         log.info("Qwen3: layers run op by op (the fused cpu decoder has no per-head q/k norm)")
-        super().__init__(hf_model, backend, max_positions, quantized)
+        super().__init__(checkpoint, backend, max_positions, quantized)
