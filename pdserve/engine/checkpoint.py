@@ -128,17 +128,18 @@ class SafetensorsCheckpoint(Checkpoint):
         CheckpointError where it has none, or a tensor of a dtype not in SAFETENSORS_DTYPES."""
         self.dir, self.config, self.dtype, self.device = Path(model_dir), config, dtype, torch.device(device)
         self.generation_config = generation_config
-        names = getattr(config, "architectures", None) or [type(config).__name__]
-        self.architecture = names[0]
-        files = sorted(self.dir.glob("*.safetensors"))
+        self.architecture = config_architecture(config)
+        index = self.dir / "model.safetensors.index.json"  # shards: the files the index names (not a stray copy beside them)
+        if index.is_file():
+            files = sorted({self.dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{self.dir} has no .safetensors files (pdserve loads safetensors and GGUF)")
         self._where: dict[str, tuple[Path, dict, int]] = {}
         for path in files:
             header, data_start = _read_header(path)
             for name, info in header.items():
-                if info["dtype"] not in SAFETENSORS_DTYPES:
-                    raise CheckpointError(f"{path.name}: {name} is {info['dtype']}; pdserve reads {', '.join(SAFETENSORS_DTYPES)}")
                 self._where[name] = (path, info, data_start)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self._tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
@@ -162,13 +163,15 @@ class SafetensorsCheckpoint(Checkpoint):
         dtype through a scratch of at most SCRATCH_BYTES."""
         path, info, data_start = self._where[name]
         begin, end = info["data_offsets"]
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path.name}: {name} is {info['dtype']}; pdserve reads {', '.join(SAFETENSORS_DTYPES)}")
         stored = SAFETENSORS_DTYPES[info["dtype"]]
         if out.numel() * stored.itemsize != end - begin:
             raise CheckpointError(f"{path.name}: {name} holds {end - begin} bytes, not a {info['dtype']} {list(out.shape)}")
         f = self._files.get(path) or self._files.setdefault(path, open(path, "rb"))
         f.seek(data_start + begin)
         flat = out.view(-1)
-        step = flat.numel() if stored == out.dtype else max(1, SCRATCH_BYTES // stored.itemsize)
+        step = max(1, flat.numel() if stored == out.dtype else SCRATCH_BYTES // stored.itemsize)
         scratch = None
         if stored != out.dtype:  # one buffer for the whole load: per-tensor ones fragment the heap (+100 MB on the bundled model)
             if self._scratch is None:
@@ -210,10 +213,10 @@ class SafetensorsCheckpoint(Checkpoint):
     def _stored(self, name: str) -> tuple[list[str], int] | None:
         """The stored tensors that make up parameter ``name`` in order, and how many experts
         they stack (0: none), or None where the checkpoint has none."""
-        if name in self._where:
+        if name in self._where:  # a stored LM head is used even where the config ties it (transformers 5 unties those)
             return [name], 0
-        if name == "lm_head.weight" and self._tied:
-            return None
+        if name == "model.embed_tokens.weight" and self._tied and "lm_head.weight" in self._where:  # only the head stored
+            return ["lm_head.weight"], 0
         if self.architecture not in self.MOE or ".mlp." not in name:
             return None
         stored_mlp, fused = self.MOE[self.architecture]
@@ -229,8 +232,6 @@ class SafetensorsCheckpoint(Checkpoint):
         return None
 
     def get(self, name):
-        if name == "lm_head.weight" and self._tied:
-            return None  # tied: the model takes the embedding's table (as transformers ties them)
         found = self._stored(name)
         if found is None:
             return None
@@ -264,6 +265,16 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def names(self) -> Iterable[str]:
         return self._where.keys()
+
+
+def config_architecture(config) -> str:
+    """The config's architecture: its ``architectures``, else transformers' causal LM class for its model type."""
+    names = getattr(config, "architectures", None)
+    if names:
+        return names[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", ""), type(config).__name__)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,7 @@ a decode worker's sequences arrive with their prompt KV already in their blocks.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,8 @@ from pdserve.engine.sequence import Sequence
 from pdserve.kv_layout import KVSpec
 from pdserve.sampling import FirstToken, finish_reason, sample, token_logprob
 from pdserve.structured import Grammars, fill_masks
+
+log = logging.getLogger(__name__)
 
 MASK_DEADLINE_S = 30.0  # longest a step waits for its grammar masks (a few us to ms each) before it fails
 
@@ -84,6 +87,9 @@ class Engine:
         if config.optimize and device.type == "cpu":
             keep_freed_memory()
         graphs = None
+        if use_graphs and getattr(self.model, "torch_rows", None):  # forward_windowed reads the step's lists: a graph would freeze them
+            log.info("decode steps run eagerly, not from CUDA graphs: attention with %s runs row by row", " and ".join(self.model.torch_rows))
+            use_graphs = False
         if use_graphs:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.num_blocks - 1, config.max_num_seqs, max_model_len, capture=device.type == "cuda")
         self.runner = ModelRunner(self.model, self.backend, graphs)

@@ -115,6 +115,14 @@ class Arena:
         self.used += -(-nbytes // 64) * 64
         return out
 
+    def give_back(self, t: torch.Tensor) -> None:
+        """Return the last tensor taken (a packed weight not kept): the next ``take`` reuses its
+        pages. An earlier one stays where it is."""
+        if self._flat is not None and self.holds(t):
+            start = t.data_ptr() - self._flat.data_ptr()
+            if start + -(-t.numel() * t.element_size() // 64) * 64 == self.used:
+                self.used = start
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s memory lies in this arena."""
         if self._flat is None:

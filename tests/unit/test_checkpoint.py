@@ -127,3 +127,62 @@ def test_a_load_peaks_within_1_3x_the_weights_it_keeps(tmp_path, real_model_dir)
     assert big["peak_growth_bytes"] <= 1.3 * big["weights_kept_bytes"], big
     bundled = _load_memory("--model", str(real_model_dir), "--dtype", "bfloat16")
     assert bundled["peak_growth_bytes"] <= 1.3 * bundled["weights_kept_bytes"], bundled
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_a_config_without_architectures_is_served_by_its_model_type(tmp_path):
+    tiny_model("qwen3", seed=3).save_pretrained(tmp_path)
+    _edit_config(tmp_path, architectures=None)
+    checkpoint = load_checkpoint(tmp_path, "float32")
+    assert checkpoint.architecture == "Qwen3ForCausalLM"
+    assert outputs(checkpoint) == outputs(load_model(tmp_path, "float32"))
+
+
+def test_a_stored_head_is_used_where_the_config_ties_it_as_transformers_does(tmp_path):
+    """A fine-tune whose config keeps tie_word_embeddings but which saved a head of its own:
+    transformers unties them and uses the stored head; so does the reader."""
+    tiny_model("llama", seed=3).save_pretrained(tmp_path)  # untied: both tables stored, different values
+    _edit_config(tmp_path, tie_word_embeddings=True)
+    assert outputs(load_checkpoint(tmp_path, "float32")) == outputs(load_model(tmp_path, "float32"))
+
+
+def test_shards_are_the_files_the_index_names(tmp_path):
+    """Another safetensors file beside the shards (Mistral's repositories ship
+    ``consolidated.safetensors``, with other names) is not read."""
+    tiny_model("llama", seed=3).save_pretrained(tmp_path, max_shard_size="40KB")
+    from safetensors.torch import save_file
+
+    save_file({"model.norm.weight": torch.zeros(64)}, str(tmp_path / "consolidated.safetensors"))
+    assert outputs(load_checkpoint(tmp_path, "float32")) == outputs(load_model(tmp_path, "float32"))
+
+
+def test_windowed_attention_runs_no_cuda_graphs():
+    """forward_windowed loops over the step's lists in Python: a captured graph would replay
+    the lists it was captured with, so an engine that has such layers decodes eagerly."""
+    engine = Engine(tiny_model("gemma2", seed=3), EngineConfig(num_blocks=64, cuda_graphs=True), EOS, 512)
+    assert engine.model.torch_rows and engine.runner.graphs is None
+    assert Engine(tiny_model("llama", seed=3), EngineConfig(num_blocks=64, cuda_graphs=True), EOS, 512).runner.graphs is not None
+
+
+def test_the_arena_reuses_a_packed_weight_given_back_and_keeps_earlier_ones():
+    from pdserve.engine.huge_pages import MIN_BYTES, Arena
+
+    arena = Arena(2 * MIN_BYTES)
+    kept = arena.take(1000, torch.float32)
+    if kept is None:
+        pytest.skip("no anonymous mapping here (off Linux)")
+    trial = arena.take(1000, torch.float32)
+    arena.give_back(trial)  # the last one taken: its bytes go to the next
+    assert arena.take(10, torch.float32).data_ptr() == trial.data_ptr()
+    arena.give_back(kept)  # not the last: stays
+    assert arena.take(10, torch.float32).data_ptr() > kept.data_ptr()
+    assert arena.take(2 * MIN_BYTES, torch.uint8) is None  # past its capacity: the caller allocates

@@ -172,6 +172,10 @@ class Backend(ABC):
         does not compute with its blocks as they are: the caller keeps the dense weight."""
         return None
 
+    def discard(self, packed: Any) -> None:
+        """A ``pack_quantized`` result the caller does not keep, returned as soon as it is made
+        (default: nothing to do; the garbage collector frees it)."""
+
     def dequantize(self, packed: Any, out_features: int, in_features: int) -> torch.Tensor:
         """The float32 weight [out_features, in_features] a ``pack_quantized`` result computes with."""
         raise NotImplementedError

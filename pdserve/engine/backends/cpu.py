@@ -89,7 +89,12 @@ class CpuBackend(Backend):
         as they are where ``loading`` placed them all in one already."""
         if self._loaded is not None and all(self._loaded.holds(t) for t in packed):
             return packed
+        self._loaded = None  # (the arena lives on only through packed weights still in it)
         return huge_pages.gather(packed)
+
+    def discard(self, packed: torch.Tensor) -> None:
+        if self._arena is not None:
+            self._arena.give_back(packed)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         return ops.linear(x, packed, out_features, bias, self.num_threads)

@@ -43,6 +43,7 @@ class Linear:
         as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(self.weight.dtype)
         if as_int is None or not torch.equal(values.view(as_int), self.weight.contiguous().view(as_int)):
             log.warning("%s: its GGUF blocks de-quantize to other values than the model's weight: dense", self.name)
+            self.backend.discard(packed)
             return None
         return packed
 

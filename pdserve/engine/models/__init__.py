@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.engine.backends.base import Backend
-from pdserve.engine.checkpoint import Checkpoint
+from pdserve.engine.checkpoint import Checkpoint, config_architecture
 from pdserve.engine.models.config import rope_parameter_sets
 from pdserve.engine.models.gemma import Gemma2ForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -29,12 +29,7 @@ def architecture(config, model=None) -> str:
         return model.architecture
     if model is not None:
         return type(model).__name__
-    names = getattr(config, "architectures", None)
-    if names:
-        return names[0]
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # no ``architectures``: its model type's
-
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", ""), type(config).__name__)
+    return config_architecture(config)
 
 
 def check_supported(config, model=None, max_len: int | None = None) -> None:

@@ -135,7 +135,7 @@ class LlamaForCausalLM:
                 for lin in linears:
                     lin.to_dense()
             self.norm = RMSNorm(backend, params["model.norm.weight"], cfg.rms_norm_eps)
-            lm_head = params.get("lm_head.weight")
+            lm_head = params.cat(["lm_head.weight"], transient=backend.pack_copies and quantized.get("lm_head.weight") is None)
             self.lm_head = Linear(backend, lm_head if lm_head is not None else embed, quantized=quantized.get("lm_head.weight"), name="lm_head.weight")
         every = (*linears, self.lm_head)  # in the order a step reads them
         for lin in every:  # what computes from blocks keeps no dense copy (the model's RSS)
@@ -152,6 +152,7 @@ class LlamaForCausalLM:
         if torch_rows:
             log.info("%s: attention with %s runs in torch ops row by row (backends/base.py forward_windowed: the compiled "
                      "attention kernels have neither); the rest on the %s backend", type(self).__name__, " and ".join(torch_rows), backend.name)
+        self.torch_rows = torch_rows  # what runs in forward_windowed (its Python loop over the step: no CUDA graphs)
         fusable = self.fusable and not torch_rows
         self.fused = backend.fuse_layers(self.layers) if fusable else None  # all layers in one backend call, or None
 
