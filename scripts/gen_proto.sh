@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the Python stubs in pdserve/rpc/ from proto/. Needs grpcio-tools
+# Regenerate the Python stubs in pdserve/rpc/ from proto/. Needs the grpcio-tools pinned
 # (in the `dev` extra). tests/unit/test_packaging.py checks the committed stubs are current.
 set -euo pipefail
 cd "$(dirname "$0")/.."
