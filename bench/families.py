@@ -7,9 +7,9 @@ heads, intermediate 1536, vocab 49,152; 4 layers; the MoE families 4 experts of 
 own config class, in this machine's default dtype. Per family and backend: one prefill of
 ``--prompt`` tokens and the median decode step at batch 1 and 16. The ratio column is each
 figure over Llama's on the same backend in the same run (Llama runs as one fused C call per
-step on the cpu backend; the families with extra ops run op by op; a sliding window of 128
-tokens (``mistral_window``, Gemma's sliding layers) or soft-capping (Gemma 2) runs attention
-in torch rows). Writes
+step on the cpu backend; the families with extra ops, a sliding window of 128 tokens
+(``mistral_window``, Gemma's sliding layers) or soft-capping (Gemma 2) run op by op, their
+attention in the cpu kernel and in torch rows on the torch backend). Writes
 bench/out/families.json.
 """
 

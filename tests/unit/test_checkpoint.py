@@ -165,12 +165,15 @@ def test_shards_are_the_files_the_index_names(tmp_path):
     assert outputs(load_checkpoint(tmp_path, "float32")) == outputs(load_model(tmp_path, "float32"))
 
 
-def test_windowed_attention_runs_no_cuda_graphs():
-    """forward_windowed loops over the step's lists in Python: a captured graph would replay
-    the lists it was captured with, so an engine that has such layers decodes eagerly."""
-    engine = Engine(tiny_model("gemma2", seed=3), EngineConfig(num_blocks=64, cuda_graphs=True), EOS, 512)
+def test_windowed_attention_in_torch_rows_runs_no_cuda_graphs():
+    """The default forward_windowed loops over the step's lists in Python: a captured graph
+    would replay the lists it was captured with, so an engine whose backend runs windowed
+    layers that way decodes eagerly. The cpu backend's kernels take windows and soft-caps."""
+    engine = Engine(tiny_model("gemma2", seed=3), EngineConfig(num_blocks=64, cuda_graphs=True, backend="torch"), EOS, 512)
     assert engine.model.torch_rows and engine.runner.graphs is None
-    assert Engine(tiny_model("llama", seed=3), EngineConfig(num_blocks=64, cuda_graphs=True), EOS, 512).runner.graphs is not None
+    assert Engine(tiny_model("llama", seed=3), EngineConfig(num_blocks=64, cuda_graphs=True, backend="torch"), EOS, 512).runner.graphs is not None
+    on_cpu = Engine(tiny_model("gemma2", seed=3), EngineConfig(num_blocks=64, backend="auto"), EOS, 512)
+    assert on_cpu.backend.name != "cpu" or on_cpu.model.torch_rows == []
 
 
 def test_the_arena_reuses_a_packed_weight_given_back_and_keeps_earlier_ones():

@@ -358,6 +358,23 @@ def test_paged_attention_kernel_matches_sdpa_and_is_row_invariant(dtype, heads, 
     rounding of SDPA on the gathered context; each row bit for bit what it is alone, and the
     whole prompt what it is in chunks. bf16 with head_dim % 32 == 0 takes the AMX or
     AVX512-BF16 path where the CPU has one (``ops.isa``)."""
+    check_paged_attention(dtype, heads, kv_heads, head_dim, bs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 3, 24), (8, 8, 16)])
+@pytest.mark.parametrize("window,softcap", [(37, None), (16, None), (1, None), (None, 2.0), (100, 30.0)])
+def test_paged_attention_kernel_with_a_window_or_soft_cap_matches_the_reference_and_is_row_invariant(dtype, heads, kv_heads, head_dim,
+                                                                                                     window, softcap):
+    """The same checks with a sliding window (row p sees keys max(0, p - window + 1)..p: a
+    window shorter than a tile, one tile long, one token) and soft-capped scores (Gemma 2's
+    ``cap * tanh(s / cap)``), against a float64 reference: every path (AVX512-BF16 where
+    head_dim % 32 == 0 in bf16, the float32 one elsewhere) starts each row at the tile
+    holding its first key, so a row is still the same bits alone, in chunks and in any batch."""
+    check_paged_attention(dtype, heads, kv_heads, head_dim, 5, window, softcap)
+
+
+def check_paged_attention(dtype, heads, kv_heads, head_dim, bs, window=None, softcap=None):
     ops = _kernels_or_skip()
     torch.manual_seed(0)
     ctx = [1, 17, 1100, 40]
@@ -373,22 +390,27 @@ def test_paged_attention_kernel_matches_sdpa_and_is_row_invariant(dtype, heads, 
     token_seq = torch.tensor([i for i, n in enumerate(new) for _ in range(n)], dtype=torch.int32)
     positions = torch.tensor([p for c, n in zip(ctx, new) for p in range(c - n, c)])
     q = (torch.randn(heads, len(positions), head_dim) * 3).to(dtype).transpose(0, 1)  # [T, heads, D], strided
-    got = ops.paged_attention(q, k, v, tables_t, token_seq, positions, bs, head_dim**-0.5).view(-1, heads, head_dim)
+    scale, opts = head_dim**-0.5, dict(window=window, softcap=softcap)
+    got = ops.paged_attention(q, k, v, tables_t, token_seq, positions, bs, scale, **opts).view(-1, heads, head_dim)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    group = heads // kv_heads
     for t in range(len(positions)):
         s, p = token_seq[t].item(), positions[t].item()
-        pos = torch.arange(p + 1)
+        pos = torch.arange(max(0, p - window + 1) if window else 0, p + 1)
         slots = torch.tensor(tables[s])[pos // bs] * bs + pos % bs
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q[t][None, :, None].float(), k[:, slots][None].float(), v[:, slots][None].float(), scale=head_dim**-0.5, enable_gqa=True)[0, :, 0]
-        torch.testing.assert_close(got[t].float(), want, **tol)
-        alone = ops.paged_attention(q[t : t + 1], k, v, tables_t, token_seq[t : t + 1], positions[t : t + 1], bs, head_dim**-0.5)
+        keys, values = k[:, slots].double().repeat_interleave(group, 0), v[:, slots].double().repeat_interleave(group, 0)  # [heads, n, D]
+        scores = torch.einsum("hd,hnd->hn", q[t].double(), keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        want = torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), values)
+        torch.testing.assert_close(got[t].double(), want, **tol)
+        alone = ops.paged_attention(q[t : t + 1], k, v, tables_t, token_seq[t : t + 1], positions[t : t + 1], bs, scale, **opts)
         assert torch.equal(alone.view(heads, head_dim), got[t]), t
-    assert torch.equal(ops.paged_attention(q, k, v, tables_t, token_seq, positions, bs, head_dim**-0.5, num_threads=2).view_as(got), got)
+    assert torch.equal(ops.paged_attention(q, k, v, tables_t, token_seq, positions, bs, scale, num_threads=2, **opts).view_as(got), got)
     prompt = torch.nonzero(token_seq == 3).flatten().tolist()  # the 40-token prompt in chunks of 7
     for c in range(0, len(prompt), 7):
         rows = prompt[c : c + 7]
-        chunk = ops.paged_attention(q[rows], k, v, tables_t, token_seq[rows], positions[rows], bs, head_dim**-0.5)
+        chunk = ops.paged_attention(q[rows], k, v, tables_t, token_seq[rows], positions[rows], bs, scale, **opts)
         assert torch.equal(chunk.view(-1, heads, head_dim), got[rows]), c
 
 

@@ -108,33 +108,36 @@ class Backend(ABC):
         """Store k, v ([N, kv_heads, D]) and attend: q [N, heads, D] -> [N, heads * D].
         Token t sees its sequence's positions 0 .. meta.positions[t]."""
 
+    windowed_kernels = False  # whether forward_windowed runs in this backend's kernels (else: torch rows, a Python loop)
+
     def forward_windowed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata, scale: float,
                          window: int | None, softcap: float | None) -> torch.Tensor:
-        """``forward`` with what the compiled kernels lack: a sliding window (token t sees its
-        positions max(0, p - window + 1) .. p, HF's ``kv_idx > q_idx - sliding_window``) and
+        """``forward`` with a sliding window (token t sees its positions
+        max(0, p - window + 1) .. p, HF's ``kv_idx > q_idx - sliding_window``) and
         attention-logit soft-capping (``tanh(s / cap) * cap`` on the scaled scores, Gemma 2).
-        Torch ops, one query row at a time (batch invariant, as the torch backend), in HF's
-        eager order: scores in the model dtype, softmax in float32 cast back, then @ V.
-        q [N, heads, D], k, v [N, kv_heads, D] -> [N, heads * D]. Every backend's KV pool
-        has this layout, so each can run it."""
+        This default is for backends whose kernels have neither: torch ops, one query row at a
+        time (batch invariant, as the torch backend), in HF's eager order: scores in the model
+        dtype, softmax in float32 cast back, then @ V. q [N, heads, D], k, v [N, kv_heads, D]
+        -> [N, heads * D]. Every backend's KV pool has this layout, so each can run it."""
         self.store_kv(layer, k, v, meta)
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # [kv_heads, slots, D]
         heads, kv_heads, bs = q.shape[1], k_cache.shape[0], self.kv_cache.block_size
         out = torch.empty(q.shape[0], heads, q.shape[2], dtype=q.dtype, device=q.device)
         for i, end in enumerate(meta.context_lens):
             first, stop = meta.query_starts[i], meta.query_starts[i + 1]
-            positions = torch.arange(end, device=q.device)
-            slots = meta.block_tables[i, positions // bs].long() * bs + positions % bs  # [end]
-            keys = k_cache[:, slots].repeat_interleave(heads // kv_heads, dim=0)  # [heads, end, D]
+            base = max(0, end - (stop - first) - window + 1) if window is not None else 0  # the first token's first key
+            positions = torch.arange(base, end, device=q.device)
+            slots = meta.block_tables[i, positions // bs].long() * bs + positions % bs  # [end - base]
+            keys = k_cache[:, slots].repeat_interleave(heads // kv_heads, dim=0)  # [heads, end - base, D]
             values = v_cache[:, slots].repeat_interleave(heads // kv_heads, dim=0)
             for t in range(first, stop):
                 p = end - (stop - t)  # this token's position
                 lo = max(0, p - window + 1) if window is not None else 0
-                scores = torch.matmul(q[t][:, None], keys[:, lo : p + 1].transpose(1, 2)) * scale  # [heads, 1, keys]
+                scores = torch.matmul(q[t][:, None], keys[:, lo - base : p + 1 - base].transpose(1, 2)) * scale  # [heads, 1, keys]
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-                out[t] = torch.matmul(probs, values[:, lo : p + 1])[:, 0]  # [heads, D]
+                out[t] = torch.matmul(probs, values[:, lo - base : p + 1 - base])[:, 0]  # [heads, D]
         return out.view(q.shape[0], -1)
 
     def fuse_layers(self, layers: list[Any]) -> Any | None:

@@ -47,6 +47,17 @@ class CpuBackend(Backend):
         self.mark_stored(layer, meta)  # the kernel stored k, v first
         return out
 
+    windowed_kernels = True
+
+    def forward_windowed(self, layer, q, k, v, meta, scale, window, softcap):
+        """In the attention kernel (cpu/attention.c): a row starts at the key tile holding its
+        window's first key."""
+        out = ops.paged_attention(q, self.kv_cache.k[layer], self.kv_cache.v[layer], meta.block_tables, meta.token_seq, meta.positions,
+                                  self.kv_cache.block_size, scale, self.num_threads, k_new=k, v_new=v, slots=meta.slot_mapping,
+                                  window=window, softcap=softcap)
+        self.mark_stored(layer, meta)
+        return out
+
     def fuse_layers(self, layers):
         """The layers as one C call per step (cpu/decoder.c), where it built."""
         if cpu.load("decoder") is None or not layers:

@@ -65,6 +65,8 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
     "attention": {
         "paged_attention": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
                                            _ptr, _ptr, _i64, _f, _ptr, ctypes.c_int, _i64]),
+        "paged_attention_windowed": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr,
+                                                    _i64, _ptr, _ptr, _i64, _f, _ptr, ctypes.c_int, _i64, _i64, _f]),
     },
     "decoder": {
         "decoder_layers": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64]),

@@ -18,6 +18,12 @@
  *
  * bf16 with D % 32 == 0 takes attention_amx.h where AMX is on, else attention_dp.h where the
  * CPU has AVX512-BF16: the same units and invariance, with bf16 products and probabilities.
+ * Two options, per call: a sliding window W (row p sees keys max(0, p - W + 1) .. p, HF's
+ * kv_idx > q_idx - sliding_window; Mistral, Gemma) and soft-capping c (each scaled score s
+ * becomes c tanh(s / c), Gemma 2's attn_logit_softcapping). A row with a window starts at the
+ * tile holding its first key and masks the keys before it in that tile: which tiles a row
+ * reads and how, is still a function of its position only. AMX leaves both to the
+ * AVX512-BF16 path.
  * Every path asks for the next tile's keys and values ahead (into L2), a few rows at a time
  * between the current tile's pieces of work (prefetch_rows): a head's keys fill a 4 KiB page
  * every 32 (bf16) or 16 (float32) keys, and hardware prefetchers stop at pages.
@@ -210,17 +216,18 @@ static void tile_scores3_full(float s[3][KT], const float *q0, const float *q1, 
 #endif
 
 /* One row's online-softmax step over a tile (FlashAttention's recurrence, Dao et al. 2022,
- * sec. 3.1): s[0 .. nr) are its scores (s has KT floats), m, l its running max and sum, acc its
- * [D] accumulator. acc is rescaled where the max grew; s becomes the probabilities
- * exp(s - m), zeros past nr. */
-static inline __attribute__((always_inline)) void softmax_row(float *s, int64_t nr, float *m, float *l, float *acc, int64_t D) {
+ * sec. 3.1): s[lo .. nr) are its scores (s has KT floats; lo > 0 where a window starts inside
+ * the tile), m, l its running max and sum, acc its [D] accumulator. acc is rescaled where the
+ * max grew; s becomes the probabilities exp(s - m) on [lo, nr), zeros before lo (past nr:
+ * zeros, or unused). */
+static inline __attribute__((always_inline)) void softmax_row(float *s, int64_t lo, int64_t nr, float *m, float *l, float *acc, int64_t D) {
 #if defined(__AVX512F__) && KT == 16
-    __mmask16 mk = (__mmask16)((1u << nr) - 1); /* in registers: lanes past nr masked out */
+    __mmask16 mk = (__mmask16)(((1u << nr) - 1) & ~((1u << lo) - 1)); /* in registers: lanes outside [lo, nr) masked out */
     __m512 sv = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(s));
     float mt = _mm512_reduce_max_ps(sv);
 #else
     float mt = -INFINITY;
-    for (int64_t j = 0; j < nr; j++) mt = s[j] > mt ? s[j] : mt;
+    for (int64_t j = lo; j < nr; j++) mt = s[j] > mt ? s[j] : mt;
 #endif
     float mn = *m > mt ? *m : mt;
     if (*m != mn && *m != -INFINITY) { /* rescale what came before */
@@ -239,7 +246,8 @@ static inline __attribute__((always_inline)) void softmax_row(float *s, int64_t 
 #else
     for (int64_t j = 0; j < KT; j++) s[j] = j < nr ? s[j] - mn : 0.0f;
     exp16(s);
-    for (int64_t j = 0; j < nr; j++) *l += s[j];
+    for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
+    for (int64_t j = lo; j < nr; j++) *l += s[j];
 #endif
 }
 
@@ -319,6 +327,13 @@ static inline __attribute__((always_inline)) void scores_transposed_rows(const i
 }
 #endif
 
+/* Soft-capping of n scaled scores in place (n % VL == 0): s = cap tanh(s / cap), as HF's
+ * Gemma 2 (``tanh(scores / softcap) * softcap``). */
+static inline void softcap_scores(float *s, int64_t n, float cap) {
+    const vf c = vset1(cap);
+    for (int64_t j = 0; j < n; j += VL) vstore(s + j, vmul(vtanh(vdiv(vload(s + j), c)), c));
+}
+
 typedef struct {
     const void *q, *k, *v;
     void *out;
@@ -328,7 +343,12 @@ typedef struct {
     int64_t ldq, kv_head_stride, max_blocks, heads, kv_heads, D, block_size, num_units;
     float scale;
     int bf;
+    int64_t window; /* keys per row, or 0: all of 0 .. p */
+    float softcap;  /* or 0: none */
 } attn_args;
+
+/* The first key row p sees. */
+static inline int64_t first_key(const attn_args *a, int64_t p) { return a->window > 0 && p >= a->window ? p - a->window + 1 : 0; }
 
 /* The K and V rows (row bytes D * es) of one head's keys j0 .. j0 + KT - 1, those up to last,
  * through a sequence's block table. Returns how many there are. */
@@ -378,14 +398,14 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
             for (int64_t d = 0; d < D; d++) q[r * D + d] = ld(qr, d, a->bf) * a->scale, acc[r * D + d] = 0.0f;
             m[r] = -INFINITY, l[r] = 0.0f, rowpos[r] = a->positions[t];
         }
-    int64_t last = a->positions[t1 - 1];
+    const int64_t last = a->positions[t1 - 1], start = first_key(a, a->positions[t0]) / KT * KT; /* the unit's first tile */
     int transposed = 0; /* many rows on AVX-512: keys transposed once, scores as outer products */
 #if defined(__AVX512F__)
     transposed = R >= 8 && D % 16 == 0;
 #endif
     const char *kr[KT], *vr[KT], *kn[KT], *vn[KT];
-    int64_t n = tile_rows(a, table, kh, vh, 0, last, kr, vr);
-    for (int64_t j0 = 0; j0 <= last; j0 += KT) {
+    int64_t n = tile_rows(a, table, kh, vh, start, last, kr, vr);
+    for (int64_t j0 = start; j0 <= last; j0 += KT) {
         const int64_t nn = j0 + KT <= last ? tile_rows(a, table, kh, vh, j0 + KT, last, kn, vn) : 0, np = 2 * nn; /* the next tile */
         int64_t pf = 0;                                                                                           /* its rows asked for */
         prefetch_rows(kn, vn, nn, &pf, np / 4, D * es);
@@ -404,20 +424,22 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
             for (int64_t r0 = 0; r0 < R; r0 += RB) {
                 float sb[RB][KT], *sl[RB], *al[RB];
                 const float *ql[RB];
-                int64_t nl[RB];
+                int64_t nl[RB], ll[RB];
                 int live = 0;
                 for (int64_t r = r0; r < R && r < r0 + RB; r++) {
                     const int64_t nr = rowpos[r] + 1 - j0 < KT ? rowpos[r] + 1 - j0 : KT; /* this row's keys in the tile */
-                    if (nr <= 0) continue;
-                    sl[live] = sb[live], al[live] = acc + r * D, ql[live] = q + r * D, nl[live] = nr, live++;
+                    const int64_t lo = first_key(a, rowpos[r]) - j0;                       /* and the first of them */
+                    if (nr <= 0 || lo >= KT) continue;
+                    sl[live] = sb[live], al[live] = acc + r * D, ql[live] = q + r * D, nl[live] = nr, ll[live] = lo > 0 ? lo : 0, live++;
                 }
                 if (live == RB) scores_transposed_rows(RB, sl, ql, kt, D);
                 else
                     for (int i = 0; i < live; i++) scores_transposed_rows(1, sl + i, ql + i, kt, D);
                 for (int i = 0; i < live; i++) {
                     for (int64_t j = nl[i]; j < KT; j++) sl[i][j] = 0.0f;
+                    if (a->softcap > 0) softcap_scores(sl[i], KT, a->softcap);
                     const int64_t r = (al[i] - acc) / D;
-                    softmax_row(sl[i], nl[i], m + r, l + r, al[i], D);
+                    softmax_row(sl[i], ll[i], nl[i], m + r, l + r, al[i], D);
                 }
                 int i = 0;
                 if (live == RB) pv_rows(RB, sl, nl, al, vf32, D), i = RB;
@@ -427,16 +449,17 @@ static void attend_unit(const attn_args *a, int64_t t0, int64_t t1, int64_t g, f
         } else
 #endif
         for (int64_t r = 0; r < R; r++) {
-            int64_t p = rowpos[r], nr = p + 1 - j0 < KT ? p + 1 - j0 : KT; /* this row's keys in the tile */
+            int64_t p = rowpos[r], nr = p + 1 - j0 < KT ? p + 1 - j0 : KT, lo = first_key(a, p) - j0; /* this row's keys in the tile */
             const float *qr = q + r * D;
 #if defined(__AVX512F__)
             if (grouped && r % 3 == 0) tile_scores3_full(s3, qr, qr + D, qr + 2 * D, kr, D, a->bf);
 #endif
-            if (nr <= 0) continue;
+            if (nr <= 0 || lo >= KT) continue;
             float *s = s3[r % 3];
             if (!grouped) tile_scores(s, qr, kr, nr, D, a->bf); /* (grouped: s3[r % 3] was filled with its group) */
+            if (a->softcap > 0) softcap_scores(s, KT, a->softcap);
             float *ar = acc + r * D;
-            softmax_row(s, nr, m + r, l + r, ar, D);
+            softmax_row(s, lo > 0 ? lo : 0, nr, m + r, l + r, ar, D);
             pv_rows(1, &s, &nr, &ar, vf32, D);
             prefetch_rows(kn, vn, nn, &pf, np / 2 + np / 2 * (r + 1) / R, D * es);
         }
@@ -465,7 +488,7 @@ static inline int64_t unit_at(const attn_args *a, int64_t i) {
 #include "attention_amx.h" /* bf16 on AMX tiles where the kernel grants them (amx_on) */
 
 static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
-    if (!a->bf || !amx_on || a->D % 32) return 0;
+    if (!a->bf || !amx_on || a->D % 32 || a->window || a->softcap > 0) return 0; /* windows, soft-caps: the AVX512-BF16 path */
     char *mem = malloc(amx_attn_work_bytes(QB * (a->heads / a->kv_heads), a->D));
     if (!mem) return 0;
     amx_attn_work w = amx_attn_carve(mem, QB * (a->heads / a->kv_heads), a->D);
@@ -502,12 +525,13 @@ static void attend_range(const void *args, int64_t begin, int64_t end) {
 }
 
 /* Stores the step's new keys and values (k_new, v_new: [T, kv_heads, D], token stride ldkv
- * elements, heads D apart) into their slots (none when slots is NULL), then attends. Returns 0, or -1 for a head layout
- * it does not take (group > MAX_GROUP, D > MAX_D). */
-int paged_attention(const void *q, int64_t T, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t D, void *k_cache,
-                    void *v_cache, int64_t kv_head_stride, const void *k_new, const void *v_new, int64_t ldkv, const int64_t *slots,
-                    const int32_t *block_tables, int64_t max_blocks, const int32_t *token_seq, const int64_t *positions,
-                    int64_t block_size, float scale, void *out, int bf, int64_t nthreads) {
+ * elements, heads D apart) into their slots (none when slots is NULL), then attends, each row
+ * to its last `window` keys (0: all) with scores soft-capped at `softcap` (0: none). Returns
+ * 0, or -1 for a head layout it does not take (group > MAX_GROUP, D > MAX_D). */
+int paged_attention_windowed(const void *q, int64_t T, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t D, void *k_cache,
+                             void *v_cache, int64_t kv_head_stride, const void *k_new, const void *v_new, int64_t ldkv, const int64_t *slots,
+                             const int32_t *block_tables, int64_t max_blocks, const int32_t *token_seq, const int64_t *positions,
+                             int64_t block_size, float scale, void *out, int bf, int64_t nthreads, int64_t window, float softcap) {
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP || D > MAX_D || T <= 0) return T <= 0 ? 0 : -1;
     const int64_t es = bf ? 2 : 4;
     for (int64_t t = 0; slots && t < T; t++)
@@ -523,8 +547,17 @@ int paged_attention(const void *q, int64_t T, int64_t ldq, int64_t heads, int64_
             blocks[nb++] = t;
     blocks[nb] = T;
     attn_args a = {q, k_cache, v_cache, out, block_tables, token_seq, positions, blocks, ldq, kv_head_stride, max_blocks, heads, kv_heads, D, block_size,
-                   nb * kv_heads, scale, bf};
+                   nb * kv_heads, scale, bf, window > 0 ? window : 0, softcap > 0 ? softcap : 0.0f};
     parallel_ranges(attend_range, &a, nb * kv_heads, 1, nthreads);
     free(blocks);
     return 0;
+}
+
+/* paged_attention_windowed over every key 0 .. p, no soft-capping (decoder.c's). */
+int paged_attention(const void *q, int64_t T, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t D, void *k_cache,
+                    void *v_cache, int64_t kv_head_stride, const void *k_new, const void *v_new, int64_t ldkv, const int64_t *slots,
+                    const int32_t *block_tables, int64_t max_blocks, const int32_t *token_seq, const int64_t *positions,
+                    int64_t block_size, float scale, void *out, int bf, int64_t nthreads) {
+    return paged_attention_windowed(q, T, ldq, heads, kv_heads, D, k_cache, v_cache, kv_head_stride, k_new, v_new, ldkv, slots, block_tables,
+                                    max_blocks, token_seq, positions, block_size, scale, out, bf, nthreads, 0, 0.0f);
 }

@@ -6,7 +6,9 @@
  *   s_j = scale * (q . k_j)      q and k_j as stored (bf16). Lane i of an accumulator sums
  *                                the pairs (32c + 2i, 32c + 2i + 1), c = 0, 1, ... in order
  *                                (one VDPBF16PS each), then the lanes add in vsum()'s tree
- *   mask to keys <= the row's position; m, l as attend_unit (l sums the float32 e_j)
+ *   s_j = c tanh(s_j / c)        where soft-capping is on (cap c)
+ *   mask to keys <= the row's position (and, with a window, from its first key: tiles
+ *   before the one holding it skipped); m, l as attend_unit (l sums the float32 e_j)
  *   acc[d] += p_j v_j[d] + p_j+1 v_j+1[d]   pairs j = 0, 2, ..., 30 in order, p = bf16(e)
  * FlashAttention's recurrence (Dao et al. 2022, sec. 3.1) with bf16 probabilities, as the
  * AMX path and GPU kernels take them. Two layouts give the scores the same bits: keys read
@@ -108,18 +110,25 @@ static void dp_pair_values(uint32_t *vp, const char *const *vr, int64_t D) {
 }
 
 /* One tile's softmax step and P V for NR rows at once (NR a constant, so that the rows'
- * independent chains interleave). s[i]: row i's DT unscaled scores; nr[i]: its keys in the
- * tile (1..DT); m[i], l[i], acc[i]: its running max, sum and [D] accumulator, updated. */
-static inline __attribute__((always_inline)) void dp_rows(const int NR, float *const *s, const int64_t *nr, float *const *m, float *const *l,
-                                                          float *const *acc, const uint32_t *vp, int64_t D, __m512 scale) {
+ * independent chains interleave). s[i]: row i's DT unscaled scores; its keys in the tile are
+ * lo[i] .. nr[i] - 1 (0 <= lo < nr <= DT); m[i], l[i], acc[i]: its running max, sum and [D]
+ * accumulator, updated. cap: the soft-cap, or 0. */
+static inline __attribute__((always_inline)) void dp_rows(const int NR, float *const *s, const int64_t *lo, const int64_t *nr, float *const *m,
+                                                          float *const *l, float *const *acc, const uint32_t *vp, int64_t D, __m512 scale,
+                                                          float cap) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     uint16_t pb[DP_RB][DT];
     int np = DT / 4; /* key pairs with a probability for some row */
     for (int i = 0; i < NR; i++) {
-        const __mmask16 m0 = (__mmask16)(nr[i] >= 16 ? 0xFFFFu : (1u << nr[i]) - 1);
-        const __mmask16 m1 = (__mmask16)(nr[i] >= 32 ? 0xFFFFu : nr[i] > 16 ? (1u << (nr[i] - 16)) - 1 : 0);
-        const __m512 s0 = _mm512_mask_blend_ps(m0, ninf, _mm512_mul_ps(_mm512_loadu_ps(s[i]), scale));
-        const __m512 s1 = _mm512_mask_blend_ps(m1, ninf, _mm512_mul_ps(_mm512_loadu_ps(s[i] + 16), scale));
+        const uint32_t below = lo[i] >= 32 ? 0xFFFFFFFFu : (1u << lo[i]) - 1; /* the keys before the window, as bits */
+        const __mmask16 m0 = (__mmask16)((nr[i] >= 16 ? 0xFFFFu : (1u << nr[i]) - 1) & ~below);
+        const __mmask16 m1 = (__mmask16)((nr[i] >= 32 ? 0xFFFFu : nr[i] > 16 ? (1u << (nr[i] - 16)) - 1 : 0) & ~(below >> 16));
+        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s[i]), scale), x1 = _mm512_mul_ps(_mm512_loadu_ps(s[i] + 16), scale);
+        if (cap > 0) {
+            const __m512 c = _mm512_set1_ps(cap);
+            x0 = _mm512_mul_ps(vtanh(_mm512_div_ps(x0, c)), c), x1 = _mm512_mul_ps(vtanh(_mm512_div_ps(x1, c)), c);
+        }
+        const __m512 s0 = _mm512_mask_blend_ps(m0, ninf, x0), s1 = _mm512_mask_blend_ps(m1, ninf, x1);
         const float mt = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), mo = *m[i], mn = mo > mt ? mo : mt;
         if (mo != mn && mo != -INFINITY) { /* rescale what came before */
             const float alpha = expf(mo - mn);
@@ -209,12 +218,12 @@ static void attend_unit_dp(const attn_args *a, int64_t t0, int64_t t1, int64_t g
             m[r] = -INFINITY, l[r] = 0.0f, rowpos[r] = a->positions[t];
         }
     memset(acc, 0, sizeof(float) * (size_t)(R * D));
-    const int64_t last = a->positions[t1 - 1];
+    const int64_t last = a->positions[t1 - 1], start = first_key(a, a->positions[t0]) / DT * DT; /* the unit's first tile */
     const int transposed = R >= 8; /* many rows: keys transposed once per tile */
     const __m512 scale = _mm512_set1_ps(a->scale);
     const char *kr[DT], *vr[DT], *kn[DT], *vn[DT];
-    int64_t n = dp_tile_rows(a, table, kh, vh, 0, last, kr, vr);
-    for (int64_t j0 = 0; j0 <= last; j0 += DT) {
+    int64_t n = dp_tile_rows(a, table, kh, vh, start, last, kr, vr);
+    for (int64_t j0 = start; j0 <= last; j0 += DT) {
         int64_t nn = 0, pf = 0; /* the next tile: its keys, and how many asked for so far */
         const char *const *kq = kn, *const *vq = vn;
         if (j0 + DT <= last) nn = dp_tile_rows(a, table, kh, vh, j0 + DT, last, kn, vn);
@@ -242,17 +251,19 @@ static void attend_unit_dp(const attn_args *a, int64_t t0, int64_t t1, int64_t g
             }
             dp_prefetch(kq, vq, nn, &pf, 2 * nn < pf + 16 ? 2 * nn : pf + 16, D);
             float *sl[DP_RB], *ml[DP_RB], *ll[DP_RB], *al[DP_RB];
-            int64_t nl[DP_RB];
+            int64_t nl[DP_RB], lw[DP_RB];
             int live = 0;
             for (int64_t i = 0; i < nrow; i++) {
                 const int64_t r = r0 + i, nr = rowpos[r] + 1 - j0 < DT ? rowpos[r] + 1 - j0 : DT; /* this row's keys in the tile */
-                if (nr <= 0) continue;
-                sl[live] = s6[i], nl[live] = nr, ml[live] = m + r, ll[live] = l + r, al[live] = acc + r * D, live++;
+                const int64_t lo = first_key(a, rowpos[r]) - j0;                                   /* and the first of them */
+                if (nr <= 0 || lo >= DT) continue;
+                sl[live] = s6[i], nl[live] = nr, lw[live] = lo > 0 ? lo : 0, ml[live] = m + r, ll[live] = l + r, al[live] = acc + r * D, live++;
             }
+            const float cap = a->softcap;
             int i = 0;
-            if (live == DP_RB) dp_rows(DP_RB, sl, nl, ml, ll, al, vp, D, scale), i = DP_RB;
-            for (; i + 3 <= live; i += 3) dp_rows(3, sl + i, nl + i, ml + i, ll + i, al + i, vp, D, scale);
-            for (; i < live; i++) dp_rows(1, sl + i, nl + i, ml + i, ll + i, al + i, vp, D, scale);
+            if (live == DP_RB) dp_rows(DP_RB, sl, lw, nl, ml, ll, al, vp, D, scale, cap), i = DP_RB;
+            for (; i + 3 <= live; i += 3) dp_rows(3, sl + i, lw + i, nl + i, ml + i, ll + i, al + i, vp, D, scale, cap);
+            for (; i < live; i++) dp_rows(1, sl + i, lw + i, nl + i, ml + i, ll + i, al + i, vp, D, scale, cap);
         }
         dp_prefetch(kq, vq, nn, &pf, 2 * nn, D);
         memcpy(kr, kn, sizeof kr), memcpy(vr, vn, sizeof vr), n = nn;
@@ -275,7 +286,8 @@ static int attend_range_dp(const attn_args *a, int64_t begin, int64_t end) {
         if (i + 1 < end) { /* the next unit's first tile, asked for during this unit's last */
             int64_t nu = unit_at(a, i + 1), nb = nu / a->kv_heads, ng = nu % a->kv_heads;
             nn0 = dp_tile_rows(a, a->tables + (int64_t)a->token_seq[a->blocks[nb]] * a->max_blocks, (const char *)a->k + ng * a->kv_head_stride * 2,
-                               (const char *)a->v + ng * a->kv_head_stride * 2, 0, a->positions[a->blocks[nb + 1] - 1], kn0, vn0);
+                               (const char *)a->v + ng * a->kv_head_stride * 2, first_key(a, a->positions[a->blocks[nb]]) / DT * DT,
+                               a->positions[a->blocks[nb + 1] - 1], kn0, vn0);
         }
         attend_unit_dp(a, a->blocks[b], a->blocks[b + 1], g, work, kn0, vn0, nn0);
     }

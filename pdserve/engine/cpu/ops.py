@@ -163,15 +163,18 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torc
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, token_seq: torch.Tensor,
                     positions: torch.Tensor, block_size: int, scale: float, num_threads: int = 1, k_new: torch.Tensor | None = None,
-                    v_new: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+                    v_new: torch.Tensor | None = None, slots: torch.Tensor | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, heads, D] (token stride free, heads contiguous); k_cache, v_cache:
     [kv_heads, slots, D] contiguous (one layer of the pool); k_new, v_new: [T, kv_heads, D]
     (heads contiguous, token stride free, the same for both) and slots: [T] int64, the step's
     new keys and values and where they go (stored first); or None when already stored.
     block_tables: [S, max_blocks] int32; token_seq: [T] int32, each token's row of
     block_tables; positions: [T] int64. Token t attends to its sequence's positions
-    0..positions[t]. Returns [T, heads * D]. Raises ValueError for a head layout the kernel
-    does not take (more than 32 query heads per KV head, or D > 256)."""
+    0..positions[t], or with a ``window`` (tokens) its last ones, max(0, p - window + 1)..p
+    (HF's ``kv_idx > q_idx - sliding_window``); ``softcap``: each scaled score s becomes
+    ``softcap * tanh(s / softcap)`` (Gemma 2). Returns [T, heads * D]. Raises ValueError for a
+    head layout the kernel does not take (more than 32 query heads per KV head, or D > 256)."""
     T, heads, D = q.shape
     if q.stride(2) != 1 or q.stride(1) != D:
         q = q.contiguous()
@@ -181,12 +184,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k_new, v_new = k_new.contiguous(), v_new.contiguous()
         ldkv = k_new.stride(0)
     out = torch.empty((T, heads * D), dtype=q.dtype)
-    rc = _lib("attention").paged_attention(
+    rc = _lib("attention").paged_attention_windowed(
         q.data_ptr(), T, q.stride(0), heads, k_cache.shape[0], D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         k_new.data_ptr() if k_new is not None else None, v_new.data_ptr() if k_new is not None else None, ldkv,
         slots.data_ptr() if k_new is not None else None,
         block_tables.data_ptr(), block_tables.shape[1], token_seq.data_ptr(), positions.data_ptr(), block_size, scale,
-        out.data_ptr(), _bf(q), num_threads)
+        out.data_ptr(), _bf(q), num_threads, window or 0, softcap or 0.0)
     if rc != 0:
         raise ValueError(f"paged attention kernel: unsupported heads {heads}/{k_cache.shape[0]} or head_dim {D}")
     return out

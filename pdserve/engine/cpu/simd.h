@@ -68,6 +68,20 @@ static inline vf vexp(vf v) {
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
+/* tanh(x), Cephes' tanhf (deterministic, ~2 ulp): x + x^3 P(x^2) where |x| < 0.625, else
+ * 1 - 2 / (exp(2|x|) + 1) with x's sign (vexp's clamp makes it +-1 past |x| = 44). */
+static inline vf vtanh(vf x) {
+    const __m512 ax = _mm512_abs_ps(x), z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-5.70498872745E-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954E-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531E-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036E-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422E-1f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
+    __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(vexp(_mm512_add_ps(ax, ax)), _mm512_set1_ps(1.0f))));
+    big = _mm512_mask_sub_ps(big, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), big);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ), big, small);
+}
 /* Each lane rounded to bf16 as bf16_round() does, kept as a float. */
 static inline vf vround_bf16(vf a) {
     __m512i u = _mm512_castps_si512(a);
@@ -114,6 +128,18 @@ static inline vf vexp(vf v) { /* as the AVX-512 vexp */
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+static inline vf vtanh(vf x) { /* as the AVX-512 vtanh */
+    const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745E-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954E-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531E-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036E-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422E-1f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(vexp(_mm256_add_ps(ax, ax)), _mm256_set1_ps(1.0f))));
+    big = _mm256_or_ps(big, _mm256_and_ps(x, _mm256_set1_ps(-0.0f))); /* x's sign */
+    return _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+}
 static inline vf vround_bf16(vf a) {
     __m256i u = _mm256_castps_si256(a);
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
@@ -139,6 +165,7 @@ static inline float vsum(vf a) { return a; }
 static inline vf vload_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
 static inline vf vdiv(vf a, vf b) { return a / b; }
 static inline vf vexp(vf a) { return expf(a); }
+static inline vf vtanh(vf a) { return tanhf(a); }
 static inline vf vround_bf16(vf a) { return bf16_to_f32(bf16_round(a)); }
 static inline void vstore_bf16(uint16_t *p, vf a) { *p = bf16_round(a); }
 #endif

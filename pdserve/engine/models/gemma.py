@@ -10,9 +10,9 @@ computes them (``modeling_gemma2``, ``modeling_gemma3``):
 
 Sliding layers (``layer_types``) see the last ``sliding_window`` positions; Gemma 3's have
 their own rotary table (``rope_parameters["sliding_attention"]``). Attention with a window
-shorter than the context or soft-capping runs in torch ops row by row
-(backends/base.py ``forward_windowed``, logged once); the linear layers on the backend's
-kernels; the norms and GeGLU in torch ops.
+shorter than the context or soft-capping goes to the backend's ``forward_windowed``: the cpu
+backend's attention kernel, torch rows on the others (backends/base.py, logged once); the
+linear layers on the backend's kernels; the norms and GeGLU in torch ops.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class DecoderLayer:
         return self.mlp(x), residual
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        """Store k, v and attend (the backend's kernels; its torch rows where this layer has a
+        """Store k, v and attend (the backend's ``forward_windowed`` where this layer has a
         sliding window or soft-capping): q [N, heads, D] -> [N, heads * D]."""
         if self.window is None and self.softcap is None:
             return self.backend.forward(self.index, q, k, v, meta, self.scale)
@@ -147,13 +147,14 @@ class LlamaForCausalLM:
         for layer in self.layers:
             if layer.window is not None and layer.window >= max_positions:  # spans the whole context: full attention
                 layer.window = None
-        torch_rows = sorted({what for layer in self.layers for what, on in (("a sliding window", layer.window), ("logit soft-capping", layer.softcap))
-                             if on is not None})
+        windowed = sorted({what for layer in self.layers for what, on in (("a sliding window", layer.window), ("logit soft-capping", layer.softcap))
+                           if on is not None})
+        torch_rows = [] if backend.windowed_kernels else windowed
         if torch_rows:
-            log.info("%s: attention with %s runs in torch ops row by row (backends/base.py forward_windowed: the compiled "
-                     "attention kernels have neither); the rest on the %s backend", type(self).__name__, " and ".join(torch_rows), backend.name)
-        self.torch_rows = torch_rows  # what runs in forward_windowed (its Python loop over the step: no CUDA graphs)
-        fusable = self.fusable and not torch_rows
+            log.info("%s: attention with %s runs in torch ops row by row (backends/base.py forward_windowed: the %s backend's "
+                     "attention kernels have neither); the rest on that backend", type(self).__name__, " and ".join(torch_rows), backend.name)
+        self.torch_rows = torch_rows  # what runs in forward_windowed's torch rows (its Python loop over the step: no CUDA graphs)
+        fusable = self.fusable and not windowed  # the fused decoder (cpu/decoder.c) has no windows or soft-caps
         self.fused = backend.fuse_layers(self.layers) if fusable else None  # all layers in one backend call, or None
 
     def make_rotary(self, checkpoint: Checkpoint, backend: Backend, max_positions: int) -> Rotary:
