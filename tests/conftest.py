@@ -91,9 +91,11 @@ def tiny_model(family: str, seed: int = 0, vocab_size: int = 256):
     "qwen3" (per-head q/k norms, head_dim 32 != hidden / heads), "mistral" (its window as
     long as the context), "phi3" (fused checkpoint projections), "mixtral" and "qwen3_moe" (experts), or "llama3_rope" /
     "yarn_rope" (Llama with that rope scaling, ROPE_SCALING), "mistral_window" (a window of 8 tokens), "gemma2" and
-    "gemma3" (sliding and global layers, soft-capping). vocab_size: the bundled tokenizer's
+    "gemma3" (sliding and global layers, soft-capping), "deepseek_v2" (latent attention with a
+    q LoRA and yarn's mscale, a dense layer then an MoE of 4 routed experts in 2 groups and a
+    shared one), "deepseek_v2_lite" (no q LoRA, default rope, greedy routing). vocab_size: the bundled tokenizer's
     49,152 where a worker serves it (it loads the directory's tokenizer)."""
-    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+    from transformers import (AutoModelForCausalLM, DeepseekV2Config, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
                               Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     torch.manual_seed(seed)
@@ -121,6 +123,16 @@ def tiny_model(family: str, seed: int = 0, vocab_size: int = 256):
     elif family == "gemma3":  # q/k norms, a sliding layer with its own rope base, then a global one
         config = Gemma3TextConfig(**common, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
                                   layer_types=["sliding_attention", "full_attention"])
+    elif family.startswith("deepseek_v2"):
+        mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                   n_shared_experts=1, moe_intermediate_size=32, **{**common, "num_key_value_heads": 4})
+        if family == "deepseek_v2":
+            config = DeepseekV2Config(**mla, q_lora_rank=24, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                                      routed_scaling_factor=1.5, rope_parameters={
+                                          "rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+                                          "mscale_all_dim": 0.707, "rope_theta": 10000.0})
+        else:
+            config = DeepseekV2Config(**mla, q_lora_rank=None, first_k_dense_replace=0, topk_method="greedy")
     elif family.endswith("_rope"):
         config = LlamaConfig(**common, rope_scaling=ROPE_SCALING[family.removesuffix("_rope")])
     else:
@@ -132,6 +144,10 @@ def tiny_model(family: str, seed: int = 0, vocab_size: int = 256):
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0, 0.3)
+        if family.startswith("deepseek"):
+            for name, p in model.named_parameters():
+                if "layernorm" in name:
+                    p.uniform_(0.5, 1.5)
         for layer in model.model.layers:
             if hasattr(layer.self_attn, "q_norm"):
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)

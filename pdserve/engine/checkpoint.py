@@ -120,6 +120,7 @@ class SafetensorsCheckpoint(Checkpoint):
     MOE = {
         "MixtralForCausalLM": ("block_sparse_moe.", {"experts.gate_up_proj": ("w1", "w3"), "experts.down_proj": ("w2",)}),
         "Qwen3MoeForCausalLM": ("mlp.", {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}),
+        "DeepseekV2ForCausalLM": ("mlp.", {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}),
     }
 
     def __init__(self, model_dir: Path, config, dtype: torch.dtype, device: str | torch.device = "cpu", generation_config=None):

@@ -125,20 +125,20 @@ def test_up_refuses_what_a_replica_would_refuse_in_one_line_and_starts_nothing(t
 
 
 def test_up_refuses_an_architecture_the_engine_does_not_implement_before_ray_starts(tmp_path):
-    """A checkpoint whose config.json names DeepseekV2ForCausalLM: `up` reads it and exits 2 in
+    """A checkpoint whose config.json names DeepseekV3ForCausalLM: `up` reads it and exits 2 in
     one line naming the supported list; no replica loads the weights to find out."""
-    from transformers import DeepseekV2Config
+    from transformers import DeepseekV3Config
 
-    model_dir = tmp_path / "deepseek_v2"
-    DeepseekV2Config(architectures=["DeepseekV2ForCausalLM"], num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+    model_dir = tmp_path / "deepseek_v3"
+    DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256).save_pretrained(model_dir)
     config = tmp_path / "cluster.yaml"
     config.write_text(f"model:\n  path: {model_dir}\n  dtype: float32\nrouter:\n  grpc_port: {GRPC_PORT}\n  http_port: {HTTP_PORT}\n")
     up = pdserve("up", str(config), timeout=120)
     assert up.returncode == 2, up.stderr[-3000:]
     assert up.stderr.strip().splitlines()[-1] == (
-        "error: model architecture 'DeepseekV2ForCausalLM' is not implemented by pdserve's engine; "
-        "supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "error: model architecture 'DeepseekV3ForCausalLM' is not implemented by pdserve's engine; "
+        "supported: DeepseekV2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
         "Qwen3MoeForCausalLM")
     assert not ray_is_running()
 

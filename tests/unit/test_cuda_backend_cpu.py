@@ -99,7 +99,8 @@ def test_cuda_is_refused_off_a_gpu_without_the_test_switch(monkeypatch):
     assert backends.resolve("auto", torch.float32, torch.device("cpu")) != "cuda"  # the switch never picks cuda itself
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen3_moe", "llama3_rope", "mistral_window", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen3_moe", "llama3_rope", "mistral_window", "gemma2", "gemma3",
+                                    "deepseek_v2"])
 def test_batched_chunked_prefill_and_decode_equal_generate(family, spy):
     model, reference = tiny_model(family), tiny_model(family)
     engine = cuda_engine(model, num_blocks=128, block_size=4, max_num_batched_tokens=64, chunk_size=16)
@@ -109,7 +110,7 @@ def test_batched_chunked_prefill_and_decode_equal_generate(family, spy):
         assert_equals_reference(reference, seq, prompt, 12)
         assert seq.finish_reason == "length"
     assert engine.num_steps < 8 * 12  # sequences shared forwards
-    if family in ("mistral_window", "gemma2"):  # every layer windowed or soft-capped: forward_windowed's rows, no masks
+    if family in ("mistral_window", "gemma2", "deepseek_v2"):  # every layer windowed, soft-capped or latent: torch rows, no masks
         return
     # whole prompts, later 16-token chunks of the 17-, 40- and 64-token prompts, decode rows
     # beside prompt chunks, and decode-only steps through the gathered padded batch

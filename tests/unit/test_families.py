@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from transformers import DeepseekV2Config, LlamaConfig, Phi3Config
+from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, Phi3Config
 
 from conftest import reference_generate, tiny_model
 from pdserve.config import ClusterConfig, ConfigError
@@ -21,7 +21,8 @@ from pdserve.worker import check_pools
 from test_engine import assert_all_blocks_free, random_prompts, run_to_completion
 
 EOS = frozenset({2})
-FAMILIES = ["qwen3", "mistral", "mistral_window", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "llama3_rope", "yarn_rope"]
+FAMILIES = ["qwen3", "mistral", "mistral_window", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "deepseek_v2", "deepseek_v2_lite", "llama3_rope",
+            "yarn_rope"]
 PROMPTS = random_prompts([1, 9, 31, 33, 70], seed=5)  # past the rope scalings' original context of 32
 
 
@@ -104,10 +105,11 @@ def test_bfloat16_logprobs_close_to_hf_bfloat16(family, tmp_path):
     (LlamaConfig(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 64,
                                "original_max_position_embeddings": 2048}), "rope type 'longrope'"),
     (Phi3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial rotary"),
-    (DeepseekV2Config(architectures=["DeepseekV2ForCausalLM"]), "'DeepseekV2ForCausalLM' is not implemented.*supported: Gemma2ForCausalLM, "
+    (DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"]), "'DeepseekV3ForCausalLM' is not implemented.*supported: DeepseekV2ForCausalLM, Gemma2ForCausalLM, "
      "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
      "Qwen3MoeForCausalLM"),
     (LlamaConfig(hidden_act="gelu"), "activation 'gelu'"),
+    (DeepseekV2Config(architectures=["DeepseekV2ForCausalLM"], topk_method="noaux_tc"), "topk_method 'noaux_tc'"),
 ])
 def test_what_the_engine_does_not_implement_is_refused_by_name_before_any_replica_starts(config, message):
     with pytest.raises(UnsupportedModelError, match=message):
@@ -151,3 +153,33 @@ def test_the_design_docs_model_table_lists_exactly_the_registry():
     table = next(part for part in section.split("\n\n") if part.startswith("| architecture |"))
     assert sorted(re.findall(r"^\| `(\w+ForCausalLM)` \| `(\w+)\.py`", table, re.M)) == sorted(
         (arch, cls.__module__.rsplit(".", 1)[-1]) for arch, cls in MODELS.items())
+
+
+def test_deepseek_v2s_kv_pool_holds_its_latent_as_hf_caches_it():
+    """MLA's KV is the latent (kv_layout.py): per token and layer kv_lora_rank + rope dims (32 +
+    8 here) as one KV head of half that in k and half in v, so a hand-off moves 4x fewer bytes
+    than this model's dense K and V would be (4 heads x (24 + 16) x 2 layers). The pool's
+    latent after a prefill is HF's own cache (the normalized latent, the roped key) within
+    float32 rounding."""
+    from pdserve.kv_layout import KVSpec
+
+    reference = tiny_model("deepseek_v2", seed=3)
+    spec = KVSpec.from_model_config(reference.config, torch.float32)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 1, 20)
+    assert spec.bytes_per_token == 2 * (32 + 8) * 4
+    engine = engine_for("deepseek_v2")
+    prompt = PROMPTS[3]
+    seq = Sequence("r", list(prompt), len(prompt), SamplingParams(max_tokens=4), stop_after_first_token=True)  # its blocks kept, as for a hand-off
+    engine.add(seq)
+    run_to_completion(engine)
+    with torch.no_grad():
+        cache = reference(torch.tensor([prompt]), use_cache=True).past_key_values  # a DynamicCache
+    bs = engine.kv_cache.block_size
+    positions = torch.arange(len(prompt))
+    slots = torch.tensor(seq.block_table)[positions // bs] * bs + positions % bs
+    for layer in range(2):
+        latent = torch.cat([engine.kv_cache.k[layer][0, slots], engine.kv_cache.v[layer][0, slots]], dim=1)  # [tokens, 40]
+        keys, values = cache.layers[layer].keys[0, 0], cache.layers[layer].values[0, 0]  # [tokens, 32], [tokens, 8]
+        torch.testing.assert_close(latent, torch.cat([keys, values], dim=1), rtol=1e-5, atol=1e-5)
+    engine.free_blocks(seq.block_table)
+    assert_all_blocks_free(engine)

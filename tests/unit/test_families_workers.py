@@ -17,7 +17,7 @@ from pdserve.sampling import SamplingParams
 from prefill_worker.server import PrefillServer
 from test_workers import settle
 
-FAMILIES = ["qwen3", "mistral_window", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "llama3_rope"]
+FAMILIES = ["qwen3", "mistral_window", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "deepseek_v2", "llama3_rope"]
 BACKENDS = ["grpc", pytest.param("shm", marks=pytest.mark.skipif(cpu.compiler() is None, reason=NO_COMPILER))]
 VOCAB = 49152  # the bundled tokenizer's
 PROMPTS = [[1, *range(100, 100 + n)] for n in (5, 40)]  # a window of 8 tokens is shorter than the second

@@ -140,6 +140,37 @@ class Backend(ABC):
                 out[t] = torch.matmul(probs, values[:, lo - base : p + 1 - base])[:, 0]  # [heads, D]
         return out.view(q.shape[0], -1)
 
+    def forward_latent(self, layer: int, q_lat: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, meta: StepMetadata,
+                       scale: float) -> torch.Tensor:
+        """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 sec. 2.1) in its absorbed
+        form, over the latent cache. Stores each new token's latent ``[c, k_pe]`` (R + r
+        elements) in halves, the first in layer ``layer``'s k pool and the rest in its v pool
+        (one KV head of ``KVSpec.head_dim``; a pad element where R + r is odd), then per token t
+        at position p and head h:
+            s_j = scale * (q_lat[t, h] . c_j + q_pe[t, h] . k_pe_j)    j = 0 .. p
+            out[t, h] = sum_j softmax(s)_j c_j
+        q_lat [N, heads, R] (the queries' no-rope part through each head's key up-projection),
+        q_pe [N, heads, r], c [N, R], k_pe [N, r] -> [N, heads, R]. Torch ops one query row at
+        a time (batch invariant), scores in the model dtype and the softmax in float32 cast
+        back, as HF's eager attention."""
+        half, R, r = self.kv_cache.spec.head_dim, c.shape[1], k_pe.shape[1]
+        latent = torch.cat([c, k_pe, c.new_zeros(c.shape[0], 2 * half - R - r)], dim=1)  # [N, 2 half]
+        self.store_kv(layer, latent[:, None, :half], latent[:, None, half:], meta)
+        k_cache, v_cache, bs = self.kv_cache.k[layer][0], self.kv_cache.v[layer][0], self.kv_cache.block_size  # [slots, half]
+        out = torch.empty_like(q_lat)
+        for i, end in enumerate(meta.context_lens):
+            first, stop = meta.query_starts[i], meta.query_starts[i + 1]
+            positions = torch.arange(end, device=q_lat.device)
+            slots = meta.block_tables[i, positions // bs].long() * bs + positions % bs  # [end]
+            context = torch.cat([k_cache[slots], v_cache[slots]], dim=1)  # [end, 2 half]
+            cs, kp = context[:, :R], context[:, R : R + r]
+            for t in range(first, stop):
+                n = end - (stop - t) + 1  # keys this token sees
+                scores = (torch.matmul(q_lat[t], cs[:n].T) + torch.matmul(q_pe[t], kp[:n].T)) * scale  # [heads, n]
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+                out[t] = torch.matmul(probs, cs[:n])  # [heads, R]
+        return out
+
     def fuse_layers(self, layers: list[Any]) -> Any | None:
         """The model's decoder layers (models/llama.py ``DecoderLayer``) as one callable,
         ``(h [N, H], meta) -> (h, residual)``, that computes what calling them one by one

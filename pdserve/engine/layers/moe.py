@@ -34,12 +34,17 @@ class MoE:
     def linears(self) -> list[Linear]:
         return [self.router, *(lin for pair in self.experts for lin in pair)]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, H] -> [N, H]."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, H] -> (weights [N, k], chosen expert ids [N, k])."""
         probs = torch.softmax(self.router(x).float(), dim=-1)  # [N, E]
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k] each
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, H] -> [N, H]."""
+        weights, chosen = self.route(x)
         if self.in_model_dtype:
             weights = weights.to(x.dtype)
         out = torch.zeros_like(x)

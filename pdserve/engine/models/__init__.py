@@ -5,13 +5,14 @@ from __future__ import annotations
 from pdserve.engine.backends.base import Backend
 from pdserve.engine.checkpoint import Checkpoint, config_architecture
 from pdserve.engine.models.config import rope_parameter_sets
+from pdserve.engine.models.deepseek import DeepseekV2ForCausalLM
 from pdserve.engine.models.gemma import Gemma2ForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from pdserve.engine.models.phi3 import Phi3ForCausalLM
 from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
 
-MODELS = {"Gemma2ForCausalLM": Gemma2ForCausalLM, "Gemma3ForCausalLM": Gemma2ForCausalLM, "LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM, "MixtralForCausalLM": MixtralForCausalLM,
+MODELS = {"DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "Gemma2ForCausalLM": Gemma2ForCausalLM, "Gemma3ForCausalLM": Gemma2ForCausalLM, "LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM, "MixtralForCausalLM": MixtralForCausalLM,
           "Phi3ForCausalLM": Phi3ForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
           "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}
 # rope types whose table does not depend on the sequence's length: rotary.py evaluates HF's
@@ -43,6 +44,7 @@ def check_supported(config, model=None, max_len: int | None = None) -> None:
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if act not in MODELS[arch].activations:
         raise UnsupportedModelError(f"{arch} with activation {act!r}: pdserve's engine implements {', '.join(MODELS[arch].activations)} for it")
+    MODELS[arch].check_config(config)  # the family's own features (raises UnsupportedModelError)
     for params in rope_parameter_sets(config):
         kind = params.get("rope_type") or params.get("type") or "default"
         if kind not in ROPE_TYPES:

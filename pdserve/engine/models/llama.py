@@ -21,6 +21,7 @@ QKV projection, Llama may (``attention_bias``, ``mlp_bias``); both tie or untie 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -33,6 +34,18 @@ from pdserve.engine.models.config import layer_window
 from pdserve.engine.quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
+
+
+def fused_linear(backend: Backend, params: Checkpoint, quantized: dict[str, QuantizedWeight], names: list[str]) -> Linear:
+    """One projection of the checkpoint (``names``: parameter names without ``.weight``), or
+    several fused along out_features, with their biases where the checkpoint has them.
+    Raises CheckpointError where it has none of them."""
+    w = [n + ".weight" for n in names]
+    q = QuantizedWeight.cat([quantized.get(n) for n in w]) if quantized else None
+    weight = params.cat(w, transient=backend.pack_copies and q is None)  # packed as a copy: read into a reused buffer
+    if weight is None:
+        raise CheckpointError(f"the checkpoint has none of {', '.join(w)}")
+    return Linear(backend, weight, params.cat([n + ".bias" for n in names]), q, "+".join(w))
 
 
 class DecoderLayer:
@@ -50,14 +63,7 @@ class DecoderLayer:
         self.softcap = None  # attention-logit soft-capping (Gemma 2)
         eps = cfg.rms_norm_eps
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        def linear(names: list[str]) -> Linear:  # one projection, or several fused along out_features
-            w = [n + ".weight" for n in names]
-            q = QuantizedWeight.cat([quantized.get(n) for n in w]) if quantized else None
-            weight = params.cat(w, transient=backend.pack_copies and q is None)  # packed as a copy: read into a reused buffer
-            if weight is None:
-                raise CheckpointError(f"the checkpoint has none of {', '.join(w)}")
-            return Linear(backend, weight, params.cat([n + ".bias" for n in names]), q, "+".join(w))
-
+        linear = functools.partial(fused_linear, backend, params, quantized)
         self.qkv = linear([attn + p for p in self.QKV])
         self.o_proj = linear([attn + "o_proj"])
         self.init_mlp(linear, params, mlp, cfg)
@@ -156,6 +162,11 @@ class LlamaForCausalLM:
         self.torch_rows = torch_rows  # what runs in forward_windowed's torch rows (its Python loop over the step: no CUDA graphs)
         fusable = self.fusable and not windowed  # the fused decoder (cpu/decoder.c) has no windows or soft-caps
         self.fused = backend.fuse_layers(self.layers) if fusable else None  # all layers in one backend call, or None
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Raises ``models.UnsupportedModelError`` for a feature of ``config`` that this
+        family's code does not implement (default: none beyond the registry's checks)."""
 
     def make_rotary(self, checkpoint: Checkpoint, backend: Backend, max_positions: int) -> Rotary:
         """The rotary every layer takes: HF's table at positions 0 .. max_positions - 1."""
