@@ -89,7 +89,7 @@ ROPE_SCALING = {
 def tiny_model(family: str, seed: int = 0, vocab_size: int = 256):
     """A tiny random-weight causal LM (float32) of the given family: "llama", "qwen2",
     "qwen3" (per-head q/k norms, head_dim 32 != hidden / heads), "mistral" (its window as
-    long as the context), "phi3" (fused checkpoint projections), "mixtral" and "qwen3_moe" (experts), or "llama3_rope" /
+    long as the context), "phi3" (fused checkpoint projections), "phi3_longrope" (longrope, switched at 32 tokens), "mixtral" and "qwen3_moe" (experts), or "llama3_rope" /
     "yarn_rope" (Llama with that rope scaling, ROPE_SCALING), "mistral_window" (a window of 8 tokens), "gemma2" and
     "gemma3" (sliding and global layers, soft-capping), "deepseek_v2" (latent attention with a
     q LoRA and yarn's mscale, a dense layer then an MoE of 4 routed experts in 2 groups and a
@@ -110,6 +110,11 @@ def tiny_model(family: str, seed: int = 0, vocab_size: int = 256):
         config = MistralConfig(**common, head_dim=32, sliding_window=512)
     elif family == "phi3":  # QKV and gate-up stored fused
         config = Phi3Config(**common)
+    elif family == "phi3_longrope":  # a short and a long table, switched at 32 tokens; factors far enough apart to change ids
+        half = common["hidden_size"] // common["num_attention_heads"] // 2
+        config = Phi3Config(**common, original_max_position_embeddings=32, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [2.0 + 0.5 * i for i in range(half)]})
     elif family == "mixtral":  # 4 experts, 2 per token
         config = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     elif family == "qwen3_moe":  # layer 0 an MoE of 4 experts (2 per token, not renormalized), layer 1 dense

@@ -87,8 +87,8 @@ class Engine:
         if config.optimize and device.type == "cpu":
             keep_freed_memory()
         graphs = None
-        if use_graphs and getattr(self.model, "torch_rows", None):  # forward_windowed reads the step's lists: a graph would freeze them
-            log.info("decode steps run eagerly, not from CUDA graphs: attention with %s runs row by row", " and ".join(self.model.torch_rows))
+        if use_graphs and getattr(self.model, "no_graphs", None):  # Python over the step's lists: a graph would freeze them
+            log.info("decode steps run eagerly, not from CUDA graphs: %s", "; ".join(self.model.no_graphs))
             use_graphs = False
         if use_graphs:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.num_blocks - 1, config.max_num_seqs, max_model_len, capture=device.type == "cuda")

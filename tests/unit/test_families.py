@@ -21,7 +21,7 @@ from pdserve.worker import check_pools
 from test_engine import assert_all_blocks_free, random_prompts, run_to_completion
 
 EOS = frozenset({2})
-FAMILIES = ["qwen3", "mistral", "mistral_window", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "deepseek_v2", "deepseek_v2_lite", "llama3_rope",
+FAMILIES = ["qwen3", "mistral", "mistral_window", "phi3", "phi3_longrope", "mixtral", "qwen3_moe", "gemma2", "gemma3", "deepseek_v2", "deepseek_v2_lite", "llama3_rope",
             "yarn_rope"]
 PROMPTS = random_prompts([1, 9, 31, 33, 70], seed=5)  # past the rope scalings' original context of 32
 
@@ -102,8 +102,6 @@ def test_bfloat16_logprobs_close_to_hf_bfloat16(family, tmp_path):
 
 @pytest.mark.parametrize("config, message", [
     (LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic'"),
-    (LlamaConfig(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 64,
-                               "original_max_position_embeddings": 2048}), "rope type 'longrope'"),
     (Phi3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "partial rotary"),
     (DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"]), "'DeepseekV3ForCausalLM' is not implemented.*supported: DeepseekV2ForCausalLM, Gemma2ForCausalLM, "
      "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
@@ -183,3 +181,27 @@ def test_deepseek_v2s_kv_pool_holds_its_latent_as_hf_caches_it():
         torch.testing.assert_close(latent, torch.cat([keys, values], dim=1), rtol=1e-5, atol=1e-5)
     engine.free_blocks(seq.block_table)
     assert_all_blocks_free(engine)
+
+
+def test_longrope_switches_tables_per_token_as_hf_generate_does(monkeypatch):
+    """HF's longrope takes the long table for a forward whose last position + 1 passes the
+    original context (32 here): a long prompt's every token, and a short prompt's decode
+    tokens from position 32 on (the prompt of 31 tokens crosses it while decoding). The
+    negative control: every token on the long table gives other ids than HF's."""
+    from pdserve.engine.layers.rotary import LongRopeRotary
+
+    reference = tiny_model("phi3_longrope", seed=3)
+    want = [reference_generate(reference, p, 12, ignore_eos=True) for p in PROMPTS]
+
+    def generate():
+        engine = engine_for("phi3_longrope", max_num_batched_tokens=40, chunk_size=16)
+        assert isinstance(engine.model.layers[0].rotary, LongRopeRotary) and engine.model.fused is None
+        seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+        for seq in seqs:
+            engine.add(seq)
+        run_to_completion(engine)
+        return [seq.token_ids[len(p):] for seq, p in zip(seqs, PROMPTS)]
+
+    assert generate() == want
+    monkeypatch.setattr(LongRopeRotary, "rows", lambda self, meta: meta.positions + self.original)
+    assert generate() != want

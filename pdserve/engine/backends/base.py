@@ -40,6 +40,7 @@ class StepMetadata:
     # layer-wise streaming: (LayerProgress, tokens written once this step's layer is stored)
     kv_progress: list[tuple[object, int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # a backend's own (e.g. the cuda decode masks)
+    prompt_lens: list[int] | None = None  # [S] each sequence's prompt tokens (longrope picks its factors by them)
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +85,8 @@ class Backend(ABC):
             token_seq=seq_t.to(dev), block_tables=table_t.to(dev), query_starts=query_starts, context_lens=context_lens,
             last_token_index=torch.tensor(query_starts[1:], device=dev) - 1, decode_only=all(n == 1 for _, n in batch),
             kv_progress=[(seq.kv_progress, min(seq.num_computed_tokens + n, seq.num_prompt_tokens))
-                         for seq, n in batch if seq.kv_progress is not None] or None)
+                         for seq, n in batch if seq.kv_progress is not None] or None,
+            prompt_lens=[seq.num_prompt_tokens for seq, _ in batch])
         self.prepare_extra(meta)
         return meta
 

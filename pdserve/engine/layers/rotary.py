@@ -1,15 +1,15 @@
 """Rotary position embedding (Su et al. 2021, RoFormer) from the model's own HF table.
 
 The cos/sin table comes from transformers' rotary module of the loaded model, evaluated
-once at every position: whatever rope scaling the config names (linear, dynamic, llama3,
-yarn), the table is HF's own values, attention scaling included.
+once at every position: whatever rope scaling the config names (linear, llama3, yarn), the
+table is HF's own values, attention scaling included; ``longrope`` takes two (LongRopeRotary).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.engine.backends.base import Backend
+from pdserve.engine.backends.base import Backend, StepMetadata
 
 
 def rotary_tables(hf_rotary: torch.nn.Module, num_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,7 +25,33 @@ class Rotary:
     def __init__(self, backend: Backend, cos: torch.Tensor, sin: torch.Tensor):
         self.backend, self.cos, self.sin = backend, cos, sin
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] (rotated in place where the backend can); positions: [T]
-        int64, each below the table's length. Returns the rotated x."""
-        return self.backend.rope_(x, positions, self.cos, self.sin)
+    def rows(self, meta: StepMetadata) -> torch.Tensor:
+        """[N] int64: each new token's row of the table (its position)."""
+        return meta.positions
+
+    def __call__(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """x: [N, heads, head_dim] (rotated in place where the backend can), the step's new
+        tokens, each at its row of the table (positions below its length). Returns the
+        rotated x."""
+        return self.backend.rope_(x, self.rows(meta), self.cos, self.sin)
+
+
+class LongRopeRotary(Rotary):
+    """``longrope`` (Phi-3 128k, Phi-3.5): a short and a long table. HF picks the long one
+    for a whole forward whose last position + 1 exceeds ``original_max_position_embeddings``
+    (``dynamic_rope_update``), so in ``generate`` a prompt's tokens take it when the prompt
+    is longer than that, and each decode token when its position + 1 is. pdserve applies that
+    rule per token, from its sequence's prompt length and its position: a token's rotation,
+    hence its bits, is the same in any batch or chunk and after preemption or migration.
+    The table is the short one's first ``original`` rows, then the long one's."""
+
+    def __init__(self, backend: Backend, short: tuple[torch.Tensor, torch.Tensor], long: tuple[torch.Tensor, torch.Tensor], original: int):
+        """short, long: (cos, sin) each [P, head_dim] float32 (rotary_tables); original: HF's
+        ``original_max_position_embeddings``."""
+        super().__init__(backend, torch.cat([short[0][:original], long[0]]), torch.cat([short[1][:original], long[1]]))
+        self.original = original
+
+    def rows(self, meta: StepMetadata) -> torch.Tensor:
+        prompt = torch.tensor(meta.prompt_lens, device=meta.positions.device)[meta.token_seq.long()]  # [N]
+        long = torch.maximum(prompt, meta.positions + 1) > self.original
+        return torch.where(long, meta.positions + self.original, meta.positions)

@@ -16,8 +16,9 @@ MODELS = {"DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "Gemma2ForCausalLM": G
           "Phi3ForCausalLM": Phi3ForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
           "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}
 # rope types whose table does not depend on the sequence's length: rotary.py evaluates HF's
-# once for every position ("dynamic" and "longrope" change with the length: not implemented)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# once for every position, and "longrope", which switches between two by the length
+# (layers/rotary.py LongRopeRotary); "dynamic" recomputes its table with the length: not implemented
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class UnsupportedModelError(ValueError):

@@ -31,6 +31,7 @@ from pdserve.engine.backends.base import Backend, StepMetadata
 from pdserve.engine.checkpoint import Checkpoint
 from pdserve.engine.layers import Linear, RMSNorm
 from pdserve.engine.layers.moe import MoE
+from pdserve.engine.models.config import rope_parameters
 from pdserve.engine.models.llama import DecoderLayer, LlamaForCausalLM, fused_linear
 from pdserve.engine.quantized import QuantizedWeight
 
@@ -146,12 +147,16 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         super().__init__(checkpoint, backend, max_positions, quantized)
         log.info("DeepseekV2ForCausalLM: latent attention runs in torch ops row by row (backends/base.py forward_latent); "
                  "the projections on the %s backend", backend.name)
-        self.torch_rows = ["latent attention"]  # a Python loop over the step: no CUDA graphs
+        self.torch_rows = ["latent attention"]
+        self.no_graphs = ["latent attention runs in torch rows"]
 
     @classmethod
     def check_config(cls, config) -> None:
         from pdserve.engine.models import UnsupportedModelError
 
+        kind = rope_parameters(config).get("rope_type", "default")
+        if kind == "longrope":
+            raise UnsupportedModelError("DeepseekV2ForCausalLM with rope type 'longrope': pdserve's engine implements default, linear, llama3, yarn for it")
         if config.topk_method not in ("greedy", "group_limited_greedy"):
             raise UnsupportedModelError(f"DeepseekV2ForCausalLM with topk_method {config.topk_method!r}: pdserve's engine implements greedy, "
                                         "group_limited_greedy")

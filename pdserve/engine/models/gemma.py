@@ -45,7 +45,7 @@ class GemmaDecoderLayer(DecoderLayer):
         """h: [N, H] the residual stream (Gemma adds each sublayer's normed output to it)."""
         n, d = h.shape[0], self.head_dim
         qkv = self.qkv(self.norm_in(h))  # [N, (heads + 2 kv_heads) * D]
-        qk = self.rotary(self.qk_heads(qkv, n), meta.positions)
+        qk = self.rotary(self.qk_heads(qkv, n), meta)
         v = qkv[:, (self.heads + self.kv_heads) * d :].view(n, self.kv_heads, d)
         o = self.attend(qk[:, : self.heads], qk[:, self.heads :], v, meta)  # [N, heads * D]
         h = h + self.norm_post_attn(self.o_proj(o))

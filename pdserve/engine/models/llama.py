@@ -29,8 +29,8 @@ import torch
 from pdserve.engine.backends.base import Backend, StepMetadata
 from pdserve.engine.checkpoint import Checkpoint, CheckpointError
 from pdserve.engine.layers import Embedding, Linear, RMSNorm, Rotary
-from pdserve.engine.layers.rotary import rotary_tables
-from pdserve.engine.models.config import layer_window
+from pdserve.engine.layers.rotary import LongRopeRotary, rotary_tables
+from pdserve.engine.models.config import layer_window, rope_parameters
 from pdserve.engine.quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class DecoderLayer:
         x, residual = self.input_norm(h, residual)
         qkv = self.qkv(x)  # [N, (heads + 2 kv_heads) * D]
         k_end = (self.heads + self.kv_heads) * d
-        qk = self.rotary(self.qk_heads(qkv, n), meta.positions)  # q and k heads side by side
+        qk = self.rotary(self.qk_heads(qkv, n), meta)  # q and k heads side by side
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = qkv[:, k_end:].view(n, self.kv_heads, d)
         o = self.attend(q, k, v, meta)  # [N, heads * D]
@@ -159,8 +159,13 @@ class LlamaForCausalLM:
         if torch_rows:
             log.info("%s: attention with %s runs in torch ops row by row (backends/base.py forward_windowed: the %s backend's "
                      "attention kernels have neither); the rest on that backend", type(self).__name__, " and ".join(torch_rows), backend.name)
-        self.torch_rows = torch_rows  # what runs in forward_windowed's torch rows (its Python loop over the step: no CUDA graphs)
-        fusable = self.fusable and not windowed  # the fused decoder (cpu/decoder.c) has no windows or soft-caps
+        self.torch_rows = torch_rows  # what runs in forward_windowed's torch rows
+        # why decode steps cannot replay CUDA graphs: Python over the step's lists
+        self.no_graphs = [f"attention with {what} runs in torch rows" for what in torch_rows]
+        if isinstance(rotary, LongRopeRotary):
+            self.no_graphs.append("longrope picks each token's table by its sequence's prompt length")
+        # the fused decoder (cpu/decoder.c) has no windows, soft-caps or per-token tables
+        fusable = self.fusable and not windowed and not isinstance(rotary, LongRopeRotary)
         self.fused = backend.fuse_layers(self.layers) if fusable else None  # all layers in one backend call, or None
 
     @classmethod
@@ -169,8 +174,14 @@ class LlamaForCausalLM:
         family's code does not implement (default: none beyond the registry's checks)."""
 
     def make_rotary(self, checkpoint: Checkpoint, backend: Backend, max_positions: int) -> Rotary:
-        """The rotary every layer takes: HF's table at positions 0 .. max_positions - 1."""
-        return Rotary(backend, *rotary_tables(checkpoint.rotary_emb(), max(max_positions, 1), self.device))
+        """The rotary every layer takes: HF's table at positions 0 .. max_positions - 1 (for
+        ``longrope``, its short and long tables)."""
+        hf, params = checkpoint.rotary_emb(), rope_parameters(checkpoint.config)
+        if (params.get("rope_type") or params.get("type")) == "longrope":
+            original = params.get("original_max_position_embeddings") or checkpoint.config.original_max_position_embeddings
+            short = rotary_tables(hf, original, self.device)  # HF's forward over positions < original: the short factors
+            return LongRopeRotary(backend, short, rotary_tables(hf, max(max_positions, original + 1), self.device), original)
+        return Rotary(backend, *rotary_tables(hf, max(max_positions, 1), self.device))
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this model keeps: packed linear layers and their biases, the
