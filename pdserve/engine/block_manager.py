@@ -111,7 +111,7 @@ class BlockManager:
         assert not seq.block_table
         if not self.enable_prefix_caching:
             return
-        prefix_hash = None
+        prefix_hash = seq.kv_salt
         max_hits = (seq.num_tokens - 1) // self.block_size
         for i in range(max_hits):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -139,7 +139,7 @@ class BlockManager:
             return
         bs = self.block_size
         first, last = num_computed_before // bs, seq.num_computed_tokens // bs
-        prefix_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        prefix_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else seq.kv_salt
         for i in range(first, last):
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -172,6 +172,13 @@ class BlockManager:
         return tables, copies
 
     def free(self, seq: Sequence) -> None:
-        self.free_blocks(seq.block_table)
+        self.free_blocks(seq.block_table[seq.num_dead_blocks :])
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_dead_blocks = 0
+
+    def free_leading(self, seq: Sequence, num_blocks: int) -> None:
+        """Give back ``seq``'s first ``num_blocks`` blocks (those not given back yet), keeping
+        their ids in its table (a sliding window no longer reaches them)."""
+        if num_blocks > seq.num_dead_blocks:
+            self.free_blocks(seq.block_table[seq.num_dead_blocks : num_blocks])
+            seq.num_dead_blocks = num_blocks

@@ -26,7 +26,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models import build_model
 from pdserve.errors import InvalidRequestError
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence, SeqStatus
 from pdserve.kv_layout import KVSpec
 from pdserve.sampling import FirstToken, finish_reason, sample, token_logprob
 from pdserve.structured import Grammars, fill_masks
@@ -130,6 +130,7 @@ class Engine:
         self.check_fits(seq)
         self.prepare(seq)
         with self.lock:
+            self.switch_rope_tables([seq])
             self.scheduler.add(seq)
             self._publish_stats()
 
@@ -176,8 +177,47 @@ class Engine:
             finally:
                 self._publish_stats()
 
+    LONG_ROPE_SALT = b"longrope:long"
+
+    def switch_rope_tables(self, seqs: list[Sequence]) -> None:
+        """longrope (layers/rotary.py LongRopeRotary): a sequence longer than the original
+        context has all its KV on the long table, salted apart in the prefix cache; one whose
+        KV was computed on the short table (its prompt no longer than that) and that has just
+        grown past it is preempted, to recompute every token on the long one, as Phi-3's
+        ``generate`` recomputes its cache at that step. With ``self.lock`` held."""
+        original = getattr(self.model, "rope_switch", None)
+        if original is None:
+            return
+        for seq in seqs:
+            if seq.kv_salt is None and seq.num_tokens > original:
+                seq.kv_salt = self.LONG_ROPE_SALT
+                if seq.num_computed_tokens > 0 and seq.num_prompt_tokens <= original:  # its KV is on the short table
+                    if seq.status is SeqStatus.RUNNING:
+                        self.scheduler.preempt(seq)
+                    else:  # KV handed over with it (a prompt of `original` tokens and its first token): not kept
+                        self.block_manager.free(seq)
+
+    def free_outside_window(self) -> None:
+        """Where every layer has the same sliding window W (model ``kv_window``): a running
+        sequence's next token, at position c = its computed tokens, and every later one, see
+        keys from c - W + 1 on, so the blocks wholly before that go back to the pool (their ids
+        stay in the table: the kernels read only inside a row's window, or mask what they read
+        of its first tile, and a block's KV is finite whatever holds it now). Not for a
+        sequence kept for a hand-off, whose whole prompt goes to decode; the block before the
+        one being filled is kept (its hash chains the prefix cache). With ``self.lock`` held."""
+        window = getattr(self.model, "kv_window", None)
+        if window is None:
+            return
+        bs = self.block_manager.block_size
+        for seq in self.scheduler.running:
+            if not seq.stop_after_first_token and seq.params.n == 1:  # (n > 1: the blocks are forked at the first token)
+                c = seq.num_computed_tokens
+                self.block_manager.free_leading(seq, min(max(0, c - window + 1) // bs, c // bs - 1))
+
     def _step(self) -> list[Sequence]:
         """``step`` with ``self.lock`` held."""
+        self.switch_rope_tables(list(self.scheduler.running))
+        self.free_outside_window()
         batch = self.scheduler.schedule()
         if not batch:
             return []

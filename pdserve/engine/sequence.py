@@ -39,6 +39,12 @@ class Sequence:
     # params.n > 1, at its first token: every choice's first token (Engine: it stops there and
     # keeps its blocks, which its worker forks or hands off)
     choices: list[FirstToken] | None = None
+    # what this sequence's KV depends on beyond its tokens, salted into its prefix-cache hashes
+    # (longrope's long table: Engine.switch_rope_tables)
+    kv_salt: bytes | None = None
+    # leading blocks of block_table given back: wholly before the sliding window of every token
+    # still to come (Engine.free_outside_window); their ids stay in the table, unread
+    num_dead_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -108,6 +108,9 @@ def test_bfloat16_logprobs_close_to_hf_bfloat16(family, tmp_path):
      "Qwen3MoeForCausalLM"),
     (LlamaConfig(hidden_act="gelu"), "activation 'gelu'"),
     (DeepseekV2Config(architectures=["DeepseekV2ForCausalLM"], topk_method="noaux_tc"), "topk_method 'noaux_tc'"),
+    (DeepseekV2Config(architectures=["DeepseekV2ForCausalLM"], topk_method="group_limited_greedy"), "n_group=None, topk_group=None"),
+    (DeepseekV2Config(architectures=["DeepseekV2ForCausalLM"], topk_method="group_limited_greedy", n_group=3, topk_group=1),
+     "n_group dividing the 64 experts"),
 ])
 def test_what_the_engine_does_not_implement_is_refused_by_name_before_any_replica_starts(config, message):
     with pytest.raises(UnsupportedModelError, match=message):
@@ -185,9 +188,10 @@ def test_deepseek_v2s_kv_pool_holds_its_latent_as_hf_caches_it():
 
 def test_longrope_switches_tables_per_token_as_hf_generate_does(monkeypatch):
     """HF's longrope takes the long table for a forward whose last position + 1 passes the
-    original context (32 here): a long prompt's every token, and a short prompt's decode
-    tokens from position 32 on (the prompt of 31 tokens crosses it while decoding). The
-    negative control: every token on the long table gives other ids than HF's."""
+    original context (32 here), and Phi-3's generate recomputes the whole sequence the step
+    it grows past it: a long prompt's every token, and a short prompt's every token once it
+    has grown past 32 (the prompt of 31 tokens crosses it while decoding). The negative
+    control: every token on the long table gives other ids than HF's."""
     from pdserve.engine.layers.rotary import LongRopeRotary
 
     reference = tiny_model("phi3_longrope", seed=3)
@@ -205,3 +209,97 @@ def test_longrope_switches_tables_per_token_as_hf_generate_does(monkeypatch):
     assert generate() == want
     monkeypatch.setattr(LongRopeRotary, "rows", lambda self, meta: meta.positions + self.original)
     assert generate() != want
+
+
+@pytest.mark.parametrize("family", ["phi3_longrope", "mistral_window", "gemma2", "deepseek_v2"])
+def test_preempted_sequences_recompute_and_still_equal_hf_generate(family):
+    """A pool of 20 blocks x 4 tokens for six sequences of up to 70: sequences are preempted
+    and recomputed from their ids, generated tokens included (longrope's prompts of 20-30
+    tokens cross its 32 while decoding, so recomputed tokens sit on both tables). Mistral's
+    window keeps every block here (given back, they leave room enough: the test below)."""
+    from test_engine import generate_all
+
+    reference = tiny_model(family, seed=3)
+    engine = engine_for(family, num_blocks=20, max_num_batched_tokens=64, chunk_size=64)
+    engine.model.kv_window = None
+    prompts = random_prompts([30, 25, 40, 33, 20, 28], seed=1)
+    seqs = generate_all(engine, prompts, 30)
+    assert engine.scheduler.num_preemptions > 0
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.token_ids[len(prompt):] == reference_generate(reference, prompt, 30, ignore_eos=True)
+    assert_all_blocks_free(engine)
+
+
+def test_longrope_hand_off_of_a_prompt_of_the_original_length_recomputes_on_the_long_table():
+    """A prompt of exactly 32 tokens (longrope's original context) is prefilled on the short
+    table; with its first token the sequence is 33 long, so the decode engine does not keep
+    the handed-over KV but recomputes the sequence on the long table, as HF's generate
+    recomputes its cache. Ids equal HF's; both pools are back at baseline."""
+    reference = tiny_model("phi3_longrope", seed=3)
+    prompt = random_prompts([32], seed=9)[0]
+    prefill, decode = engine_for("phi3_longrope"), engine_for("phi3_longrope")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    first = Sequence("p", list(prompt), len(prompt), params, stop_after_first_token=True)
+    prefill.add(first)
+    run_to_completion(prefill)
+    blocks = decode.reserve(len(prompt))
+    for layer in range(decode.kv_spec.num_layers):
+        decode.kv_cache.write_blocks(layer, torch.tensor(blocks), *prefill.kv_cache.read_blocks(layer, torch.tensor(first.block_table[: len(blocks)])))
+    prefill.free_blocks(first.block_table)
+    seq = Sequence("d", list(first.token_ids), len(prompt), params, num_computed_tokens=len(prompt), block_table=blocks)
+    decode.add(seq)
+    assert seq.num_computed_tokens == 0 and seq.kv_salt is not None  # the short-table KV given back, to recompute
+    run_to_completion(decode)
+    assert seq.token_ids[len(prompt):] == reference_generate(reference, prompt, 10, ignore_eos=True)
+    assert_all_blocks_free(prefill)
+    assert_all_blocks_free(decode)
+
+
+def test_a_sliding_window_gives_back_the_blocks_it_no_longer_reaches():
+    """Mistral with a window of 8 tokens on every layer: three sequences of 70-75 tokens in a
+    pool of 24 blocks x 4 tokens. A sequence keeps the blocks of its window (and the one
+    before the block it fills), so all three run to the end without a preemption and equal
+    HF's generate; the negative control, the engine keeping every block, has to preempt.
+    Afterwards every block is free (the given-back ones are not freed twice)."""
+    reference = tiny_model("mistral_window", seed=3)
+    prompts = random_prompts([40, 33, 45], seed=2)
+
+    def run(keep_all: bool):
+        engine = engine_for("mistral_window", num_blocks=24, max_num_batched_tokens=40, chunk_size=16)
+        assert engine.model.kv_window == 8
+        if keep_all:
+            engine.model.kv_window = None
+        seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=30, ignore_eos=True)) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            engine.add(seq)
+        fewest_free = engine.block_manager.usage()["num_free_blocks"]
+        while engine.scheduler.has_work():
+            engine.step()
+            fewest_free = min(fewest_free, engine.block_manager.usage()["num_free_blocks"])
+        assert_all_blocks_free(engine)
+        return engine.scheduler.num_preemptions, fewest_free, [seq.token_ids[len(p):] for seq, p in zip(seqs, prompts)]
+
+    want = [reference_generate(reference, p, 30, ignore_eos=True) for p in prompts]
+    preemptions, fewest_free, got = run(keep_all=False)
+    assert got == want and preemptions == 0 and fewest_free > 0
+    preemptions, _, got = run(keep_all=True)
+    assert got == want and preemptions > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_32_concurrent_prompts_of_boundary_lengths_equal_hf_generate(family):
+    """32 prompts at once, of the lengths where something changes: a block (4 tokens), a
+    chunk (16), the key tiles of the attention kernels (16 and 32), the tiny windows (8) and
+    longrope's switch (32), one below and one above each; 8 tokens each, the step budget
+    cutting prompts into chunks."""
+    reference = tiny_model(family, seed=3)
+    lengths = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 34, 40, 47, 48, 49, 63, 64, 65, 6, 12, 20, 28, 36, 44, 56, 70]
+    prompts = random_prompts(lengths, seed=7)
+    engine = engine_for(family, max_num_batched_tokens=64, chunk_size=16)
+    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=8, ignore_eos=True)) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        engine.add(seq)
+    run_to_completion(engine)
+    for seq, p in zip(seqs, prompts):
+        assert seq.token_ids[len(p):] == reference_generate(reference, p, 8, ignore_eos=True), len(p)
+    assert_all_blocks_free(engine)

@@ -40,7 +40,7 @@ class StepMetadata:
     # layer-wise streaming: (LayerProgress, tokens written once this step's layer is stored)
     kv_progress: list[tuple[object, int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # a backend's own (e.g. the cuda decode masks)
-    prompt_lens: list[int] | None = None  # [S] each sequence's prompt tokens (longrope picks its factors by them)
+    rope_lens: list[int] | None = None  # [S] max(prompt, all tokens so far) per sequence: longrope picks its table by it
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +86,7 @@ class Backend(ABC):
             last_token_index=torch.tensor(query_starts[1:], device=dev) - 1, decode_only=all(n == 1 for _, n in batch),
             kv_progress=[(seq.kv_progress, min(seq.num_computed_tokens + n, seq.num_prompt_tokens))
                          for seq, n in batch if seq.kv_progress is not None] or None,
-            prompt_lens=[seq.num_prompt_tokens for seq, _ in batch])
+            rope_lens=[max(seq.num_prompt_tokens, len(seq.token_ids)) for seq, _ in batch])
         self.prepare_extra(meta)
         return meta
 

@@ -39,11 +39,13 @@ class Rotary:
 class LongRopeRotary(Rotary):
     """``longrope`` (Phi-3 128k, Phi-3.5): a short and a long table. HF picks the long one
     for a whole forward whose last position + 1 exceeds ``original_max_position_embeddings``
-    (``dynamic_rope_update``), so in ``generate`` a prompt's tokens take it when the prompt
-    is longer than that, and each decode token when its position + 1 is. pdserve applies that
-    rule per token, from its sequence's prompt length and its position: a token's rotation,
-    hence its bits, is the same in any batch or chunk and after preemption or migration.
-    The table is the short one's first ``original`` rows, then the long one's."""
+    (``dynamic_rope_update``), and Phi-3's ``generate`` drops the cache and recomputes the
+    whole sequence the step it grows past that (``prepare_inputs_for_generation``). So every
+    token of a sequence longer than ``original`` (prompt, or prompt and output so far) is on
+    the long table, and every token of a shorter one on the short table; the engine
+    recomputes a sequence the step it crosses (Engine.switch_rope_tables). A token's rotation,
+    hence its bits, is the same in any batch or chunk, after preemption or migration, and in
+    either worker. The table is the short one's first ``original`` rows, then the long one's."""
 
     def __init__(self, backend: Backend, short: tuple[torch.Tensor, torch.Tensor], long: tuple[torch.Tensor, torch.Tensor], original: int):
         """short, long: (cos, sin) each [P, head_dim] float32 (rotary_tables); original: HF's
@@ -52,6 +54,8 @@ class LongRopeRotary(Rotary):
         self.original = original
 
     def rows(self, meta: StepMetadata) -> torch.Tensor:
-        prompt = torch.tensor(meta.prompt_lens, device=meta.positions.device)[meta.token_seq.long()]  # [N]
-        long = torch.maximum(prompt, meta.positions + 1) > self.original
-        return torch.where(long, meta.positions + self.original, meta.positions)
+        rows = meta.extra.get("longrope_rows")  # once per step, for every layer
+        if rows is None:
+            long = torch.tensor([n > self.original for n in meta.rope_lens], device=meta.positions.device)[meta.token_seq.long()]  # [N]
+            rows = meta.extra["longrope_rows"] = torch.where(long, meta.positions + self.original, meta.positions)
+        return rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.engine.backends.base import Backend
 from pdserve.engine.checkpoint import Checkpoint, config_architecture
-from pdserve.engine.models.config import rope_parameter_sets
+from pdserve.engine.models.config import UnsupportedModelError, rope_parameter_sets
 from pdserve.engine.models.deepseek import DeepseekV2ForCausalLM
 from pdserve.engine.models.gemma import Gemma2ForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -19,10 +19,6 @@ MODELS = {"DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "Gemma2ForCausalLM": G
 # once for every position, and "longrope", which switches between two by the length
 # (layers/rotary.py LongRopeRotary); "dynamic" recomputes its table with the length: not implemented
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture is not one pdserve implements."""
 
 
 def architecture(config, model=None) -> str:
@@ -50,6 +46,8 @@ def check_supported(config, model=None, max_len: int | None = None) -> None:
         kind = params.get("rope_type") or params.get("type") or "default"
         if kind not in ROPE_TYPES:
             raise UnsupportedModelError(f"{arch} with rope type {kind!r}: pdserve's engine implements {', '.join(ROPE_TYPES)}")
+        if kind == "longrope" and not (params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)):
+            raise UnsupportedModelError(f"{arch} with rope type 'longrope' but no original_max_position_embeddings: where it switches tables is unknown")
         if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
             raise UnsupportedModelError(f"{arch} with a partial rotary: pdserve's engine rotates whole heads")
 

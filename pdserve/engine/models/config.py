@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture, or a feature of it, is not one pdserve implements."""
+
+
 def sliding_window(config) -> int | None:
     """The window (tokens) of the config's sliding-window attention, None where it has none
     (Qwen2/3 name one and leave it off: ``use_sliding_window``)."""

@@ -31,7 +31,7 @@ from pdserve.engine.backends.base import Backend, StepMetadata
 from pdserve.engine.checkpoint import Checkpoint
 from pdserve.engine.layers import Linear, RMSNorm
 from pdserve.engine.layers.moe import MoE
-from pdserve.engine.models.config import rope_parameters
+from pdserve.engine.models.config import UnsupportedModelError, rope_parameters
 from pdserve.engine.models.llama import DecoderLayer, LlamaForCausalLM, fused_linear
 from pdserve.engine.quantized import QuantizedWeight
 
@@ -152,14 +152,22 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def check_config(cls, config) -> None:
-        from pdserve.engine.models import UnsupportedModelError
-
         kind = rope_parameters(config).get("rope_type", "default")
         if kind == "longrope":
             raise UnsupportedModelError("DeepseekV2ForCausalLM with rope type 'longrope': pdserve's engine implements default, linear, llama3, yarn for it")
         if config.topk_method not in ("greedy", "group_limited_greedy"):
             raise UnsupportedModelError(f"DeepseekV2ForCausalLM with topk_method {config.topk_method!r}: pdserve's engine implements greedy, "
                                         "group_limited_greedy")
+        experts, groups, top = config.n_routed_experts, config.n_group, config.topk_group
+        if config.topk_method == "group_limited_greedy" and not (
+                isinstance(groups, int) and isinstance(top, int) and 0 < top <= groups and experts % groups == 0
+                and config.num_experts_per_tok <= top * experts // groups):
+            raise UnsupportedModelError(f"DeepseekV2ForCausalLM with group_limited_greedy over n_group={groups}, topk_group={top}: "
+                                        f"needs 0 < topk_group <= n_group, n_group dividing the {experts} experts, and "
+                                        f"num_experts_per_tok={config.num_experts_per_tok} of the groups kept")
+        if getattr(config, "moe_layer_freq", None) not in (None, 1):
+            raise UnsupportedModelError(f"DeepseekV2ForCausalLM with moe_layer_freq={config.moe_layer_freq}: pdserve's engine, as "
+                                        "transformers, puts an MoE in every layer from first_k_dense_replace on")
 
     def make_rotary(self, checkpoint: Checkpoint, backend: Backend, max_positions: int) -> InterleavedRotary:
         return InterleavedRotary(checkpoint.rotary_emb(), max(max_positions, 1), self.device)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.layers import OffsetRMSNorm, Rotary
 from pdserve.engine.layers.rotary import rotary_tables
+from pdserve.engine.models.config import UnsupportedModelError, rope_parameter_sets
 from pdserve.engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -69,6 +70,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     layer_class = GemmaDecoderLayer
     activations = ("gelu_pytorch_tanh",)
     fusable = False
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if any((p.get("rope_type") or p.get("type")) == "longrope" for p in rope_parameter_sets(config)):
+            raise UnsupportedModelError("Gemma with rope type 'longrope': pdserve's engine implements default, linear, llama3, yarn for it")
 
     def __init__(self, checkpoint, backend, max_positions: int, quantized=None):
         super().__init__(checkpoint, backend, max_positions, None)  # dense weights (GGUF blocks: the Llama family's)

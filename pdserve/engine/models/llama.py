@@ -153,6 +153,8 @@ class LlamaForCausalLM:
         for layer in self.layers:
             if layer.window is not None and layer.window >= max_positions:  # spans the whole context: full attention
                 layer.window = None
+        windows = {layer.window for layer in self.layers}
+        self.kv_window = windows.pop() if len(windows) == 1 else None  # every layer's window, where they share one (Engine.free_outside_window)
         windowed = sorted({what for layer in self.layers for what, on in (("a sliding window", layer.window), ("logit soft-capping", layer.softcap))
                            if on is not None})
         torch_rows = [] if backend.windowed_kernels else windowed
@@ -162,15 +164,16 @@ class LlamaForCausalLM:
         self.torch_rows = torch_rows  # what runs in forward_windowed's torch rows
         # why decode steps cannot replay CUDA graphs: Python over the step's lists
         self.no_graphs = [f"attention with {what} runs in torch rows" for what in torch_rows]
-        if isinstance(rotary, LongRopeRotary):
-            self.no_graphs.append("longrope picks each token's table by its sequence's prompt length")
+        self.rope_switch = rotary.original if isinstance(rotary, LongRopeRotary) else None  # longrope's (Engine.switch_rope_tables)
+        if self.rope_switch is not None:
+            self.no_graphs.append("longrope picks each sequence's table by its length")
         # the fused decoder (cpu/decoder.c) has no windows, soft-caps or per-token tables
         fusable = self.fusable and not windowed and not isinstance(rotary, LongRopeRotary)
         self.fused = backend.fuse_layers(self.layers) if fusable else None  # all layers in one backend call, or None
 
     @classmethod
     def check_config(cls, config) -> None:
-        """Raises ``models.UnsupportedModelError`` for a feature of ``config`` that this
+        """Raises ``UnsupportedModelError`` (models/config.py) for a feature of ``config`` that this
         family's code does not implement (default: none beyond the registry's checks)."""
 
     def make_rotary(self, checkpoint: Checkpoint, backend: Backend, max_positions: int) -> Rotary:
