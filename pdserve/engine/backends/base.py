@@ -93,6 +93,12 @@ class Backend(ABC):
     def prepare_extra(self, meta: StepMetadata) -> None:
         """A backend's own per-step metadata, into ``meta.extra`` (default: none)."""
 
+    def context_slots(self, meta: StepMetadata, i: int, start: int, end: int) -> torch.Tensor:
+        """[end - start] int64: the pool slots of sequence ``i``'s positions start .. end - 1."""
+        bs = self.kv_cache.block_size
+        positions = torch.arange(start, end, device=meta.block_tables.device)
+        return meta.block_tables[i, positions // bs].long() * bs + positions % bs
+
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> None:
         """k, v: [N, kv_heads, D] of the step's new tokens, into their slots of layer ``layer``."""
         self.kv_cache.k[layer].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
@@ -123,13 +129,12 @@ class Backend(ABC):
         -> [N, heads * D]. Every backend's KV pool has this layout, so each can run it."""
         self.store_kv(layer, k, v, meta)
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # [kv_heads, slots, D]
-        heads, kv_heads, bs = q.shape[1], k_cache.shape[0], self.kv_cache.block_size
+        heads, kv_heads = q.shape[1], k_cache.shape[0]
         out = torch.empty(q.shape[0], heads, q.shape[2], dtype=q.dtype, device=q.device)
         for i, end in enumerate(meta.context_lens):
             first, stop = meta.query_starts[i], meta.query_starts[i + 1]
             base = max(0, end - (stop - first) - window + 1) if window is not None else 0  # the first token's first key
-            positions = torch.arange(base, end, device=q.device)
-            slots = meta.block_tables[i, positions // bs].long() * bs + positions % bs  # [end - base]
+            slots = self.context_slots(meta, i, base, end)  # [end - base]
             keys = k_cache[:, slots].repeat_interleave(heads // kv_heads, dim=0)  # [heads, end - base, D]
             values = v_cache[:, slots].repeat_interleave(heads // kv_heads, dim=0)
             for t in range(first, stop):
@@ -158,12 +163,11 @@ class Backend(ABC):
         half, R, r = self.kv_cache.spec.head_dim, c.shape[1], k_pe.shape[1]
         latent = torch.cat([c, k_pe, c.new_zeros(c.shape[0], 2 * half - R - r)], dim=1)  # [N, 2 half]
         self.store_kv(layer, latent[:, None, :half], latent[:, None, half:], meta)
-        k_cache, v_cache, bs = self.kv_cache.k[layer][0], self.kv_cache.v[layer][0], self.kv_cache.block_size  # [slots, half]
+        k_cache, v_cache = self.kv_cache.k[layer][0], self.kv_cache.v[layer][0]  # [slots, half]
         out = torch.empty_like(q_lat)
         for i, end in enumerate(meta.context_lens):
             first, stop = meta.query_starts[i], meta.query_starts[i + 1]
-            positions = torch.arange(end, device=q_lat.device)
-            slots = meta.block_tables[i, positions // bs].long() * bs + positions % bs  # [end]
+            slots = self.context_slots(meta, i, 0, end)  # [end]
             context = torch.cat([k_cache[slots], v_cache[slots]], dim=1)  # [end, 2 half]
             cs, kp = context[:, :R], context[:, R : R + r]
             for t in range(first, stop):

@@ -53,13 +53,12 @@ class CudaBackend(TorchBackend):
         if "mask" in meta.extra:
             return self._decode(layer, q, meta, scale)
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        heads, kv_heads, bs = q.shape[1], k_cache.shape[0], self.kv_cache.block_size
+        heads, kv_heads = q.shape[1], k_cache.shape[0]
         outs = []
         for i, end in enumerate(meta.context_lens):
             start, stop = meta.query_starts[i], meta.query_starts[i + 1]
             num_new = stop - start
-            positions = torch.arange(end, device=q.device)
-            slots = meta.block_tables[i, positions // bs].long() * bs + positions % bs
+            slots = self.context_slots(meta, i, 0, end)  # [end]
             keys, values = k_cache[:, slots].unsqueeze(0), v_cache[:, slots].unsqueeze(0)  # [1, kv_heads, end, D]
             mask = None
             if num_new not in (1, end):  # a chunk after cached tokens: query j sees positions <= end - num_new + j

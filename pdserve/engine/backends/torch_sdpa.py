@@ -41,12 +41,11 @@ class TorchBackend(Backend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
         self.store_kv(layer, k, v, meta)
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # [kv_heads, slots, D]
-        heads, kv_heads, bs = q.shape[1], k_cache.shape[0], self.kv_cache.block_size
+        heads, kv_heads = q.shape[1], k_cache.shape[0]
         out = torch.empty(q.shape[0], heads, q.shape[2], dtype=q.dtype, device=q.device)
         for i, end in enumerate(meta.context_lens):
             start = meta.query_starts[i]
-            positions = torch.arange(end, device=q.device)
-            slots = meta.block_tables[i, positions // bs].long() * bs + positions % bs  # [end]
+            slots = self.context_slots(meta, i, 0, end)  # [end]
             keys, values = k_cache[:, slots].unsqueeze(0), v_cache[:, slots].unsqueeze(0)  # [1, kv_heads, end, D]
             for t in range(start, meta.query_starts[i + 1]):  # each query row by itself (see the module's docstring)
                 p = end - (meta.query_starts[i + 1] - t) + 1  # keys 0 .. position
