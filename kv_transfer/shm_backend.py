@@ -19,7 +19,6 @@ one node, so both have it where either does.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -28,53 +27,14 @@ import torch
 
 from kv_transfer.base import KVSink
 from pdserve.engine import cpu as kernels
-from pdserve.engine.kv_cache import PagedKVCache, PoolMemory, pool_shape
+from pdserve.engine.kv_cache import PagedKVCache, SharedPoolMemory, map_pool_file
 from pdserve.errors import KVTransferError
 from pdserve.kv_layout import KVSpec
 
 
-class ShmPoolMemory(PoolMemory):
-    """A KV pool in the shared-memory file ``path`` (k then v), made when the pool is
-    allocated and removed at ``close``: what a same-node receiver maps."""
-
-    def __init__(self, path: str, spec: KVSpec, num_blocks: int, block_size: int):
-        self.shm_path, self._layout = path, (spec, num_blocks, block_size)
-
-    def allocate(self, shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raises OSError if the file cannot be made at the pool's size."""
-        return map_pool_file(self.shm_path, *self._layout, create=True)
-
-    def close(self) -> None:
-        try:
-            os.unlink(self.shm_path)
-        except FileNotFoundError:
-            pass
-
-
-def map_pool_file(path: str, spec: KVSpec, num_blocks: int, block_size: int, create: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map a pool file as (k, v), each [num_layers, kv_heads, num_blocks * block_size, head_dim].
-
-    ``create`` makes the file (zero-filled, pages allocated on first touch); otherwise
-    it must exist with exactly the pool's size. Raises OSError (or ValueError on a size mismatch).
-    """
-    shape = pool_shape(spec, num_blocks, block_size)
-    numel = shape[0] * shape[1] * shape[2] * shape[3]
-    nbytes = 2 * numel * spec.dtype.itemsize
-    fd = os.open(path, (os.O_RDWR | os.O_CREAT | os.O_EXCL) if create else os.O_RDWR, 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, nbytes)
-        elif os.fstat(fd).st_size != nbytes:
-            raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, a pool of this shape {nbytes}")
-        # populate now, as torch.zeros does for a private pool: the creator allocates every page
-        # (else a reader's first transfer would allocate them, seconds for a large pool), and a
-        # reader maps them all at once (else it faults per 4 KB page in the middle of a copy)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        buf = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    flat = torch.frombuffer(buf, dtype=spec.dtype)  # keeps buf alive
-    return flat[:numel].view(shape), flat[numel:].view(shape)
+class ShmPoolMemory(SharedPoolMemory):
+    """The KV pool in a shared-memory file (engine/kv_cache.py SharedPoolMemory): what a
+    same-node receiver maps with ``map_pool_file``."""
 
 
 def available() -> bool:

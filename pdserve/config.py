@@ -140,6 +140,10 @@ class PoolConfig:
     # torch threads of each replica's engine; null = ray_actor_options.num_cpus. More than
     # num_cpus lets a prefill replica borrow an idle decode core (oversubscribed when both run)
     num_threads: int | None = None
+    # ranks that split each replica's model (heads and feed-forward; pdserve/engine/tensor_parallel):
+    # rank 0 is the replica, the others its child processes on its node, each with
+    # num_threads (null: num_cpus / tensor_parallel_size) threads; CPU pools of dense models
+    tensor_parallel_size: int = 1
     # niceness of the engine's thread (Linux; its kernel threads inherit it): a decode pool at
     # 10 yields its core at once to a prefill replica that borrows it (num_threads: 2), where
     # at 0 the two time-slice the core and prefill's parallel steps wait on the slower thread
@@ -416,6 +420,8 @@ class ClusterConfig:
                     raise ConfigError(f"{name}.{key} must be true or false, not {getattr(pool, key)!r}")
             if pool.num_threads is not None and not _int_in(pool.num_threads, 1):
                 raise ConfigError(f"{name}.num_threads must be null (num_cpus) or a positive integer, not {pool.num_threads!r}")
+            if not _int_in(pool.tensor_parallel_size, 1, 64):
+                raise ConfigError(f"{name}.tensor_parallel_size must be an integer from 1 to 64, not {pool.tensor_parallel_size!r}")
             if not _int_in(pool.stream_interval, 1, 64):
                 raise ConfigError(f"{name}.stream_interval must be an integer from 1 to 64 tokens, not {pool.stream_interval!r}")
             if not _int_in(pool.engine_nice, -20, 19):

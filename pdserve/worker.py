@@ -14,9 +14,11 @@ import torch
 
 from pdserve.config import ClusterConfig, ConfigError, PoolConfig
 from pdserve.engine.allocator import release_free_memory
+from pdserve.engine.checkpoint import config_architecture
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.kv_cache import PagedKVCache, PoolMemory
 from pdserve.engine.models import UnsupportedModelError, check_supported
+from pdserve.engine.tensor_parallel.shard import check_tensor_parallel
 from pdserve.kv_fingerprint import KVFingerprint
 from pdserve.kv_layout import KVSpec
 from pdserve.model_loader import gguf_source, load_checkpoint, load_tokenizer, resolve_dtype, resolve_model_dir
@@ -91,7 +93,7 @@ def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str, 
         num_blocks=num_blocks, block_size=pool.block_size, max_num_seqs=pool.max_num_seqs,
         max_num_batched_tokens=pool.max_num_batched_tokens, chunk_size=pool.chunk_size,
         enable_prefix_caching=pool.enable_prefix_caching, optimize=pool.optimize,
-        backend=backend,
+        backend=backend, tensor_parallel_size=pool.tensor_parallel_size,
     )
 
 
@@ -108,6 +110,10 @@ def check_pools(cfg: ClusterConfig, model_config, dtype: str) -> None:
     spec = KVSpec.from_model_config(model_config, getattr(torch, dtype))
     for name in ("colocated",) if cfg.mode == "colocated" else ("prefill", "decode"):
         engine_config(getattr(cfg, name), spec, max_len, name, cfg.model.backend)
+        try:
+            check_tensor_parallel(model_config, config_architecture(model_config), getattr(cfg, name).tensor_parallel_size)
+        except UnsupportedModelError as e:
+            raise ConfigError(f"{name}: {e}") from None
 
 
 def worker_device(cfg: ClusterConfig) -> str:
@@ -139,7 +145,8 @@ def build_engine(cfg: ClusterConfig, pool_name: str, kv_memory: KVMemoryHook | N
     pool in private memory. Returns the engine and this worker's KV fingerprint. Raises
     ConfigError (also from ``kv_memory``).
     """
-    num_threads = getattr(cfg, pool_name).num_threads or assigned_num_cpus()
+    pool = getattr(cfg, pool_name)
+    num_threads = pool.num_threads or max(1, assigned_num_cpus() // pool.tensor_parallel_size)  # per rank
     torch.set_num_threads(num_threads)
     device = worker_device(cfg)
     model_dir = resolve_model_dir(cfg.model.path)

@@ -149,6 +149,10 @@ class SafetensorsCheckpoint(Checkpoint):
         self._scratch: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None  # transient loads: one buffer, faulted in once (fresh mappings per layer fault every page)
 
+    def __getstate__(self) -> dict:
+        """Picklable (a tensor-parallel rank re-opens the files): no open files or buffers."""
+        return {**self.__dict__, "_files": {}, "_scratch": None, "_staging": None}
+
     def close(self) -> None:
         """Close the files and drop the scratch buffer (the weights read stay valid)."""
         self._scratch = self._staging = None

@@ -9,19 +9,21 @@ a decode worker's sequences arrive with their prompt KV already in their blocks.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine import backends
+from pdserve.engine import backends, tensor_parallel
 from pdserve.engine.allocator import keep_freed_memory
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.checkpoint import Checkpoint
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.kv_cache import PagedKVCache, PoolMemory
+from pdserve.engine.kv_cache import PagedKVCache, PoolMemory, SharedPoolMemory
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models import build_model
 from pdserve.errors import InvalidRequestError
@@ -55,6 +57,9 @@ class EngineConfig:
     # padding scratch). None = on where the model is on a GPU and ``optimize`` is on. True on
     # the CPU runs the same padded static-shape steps eagerly (what the CPU tests check).
     cuda_graphs: bool | None = None
+    # ranks that split the model's heads and feed-forward (tensor_parallel/): rank 0 here,
+    # the others child processes on this node, each with the same torch threads; CPU only
+    tensor_parallel_size: int = 1
 
 
 class Engine:
@@ -74,6 +79,10 @@ class Engine:
         model = Checkpoint.of(model)
         self.vocab_size = model.config.vocab_size  # logits per row
         self.kv_spec = KVSpec.from_model_config(model.config, model.dtype)
+        tp = config.tensor_parallel_size
+        self._own_memory = None  # a shared pool made here for tensor-parallel ranks (closed by ``close``)
+        if tp > 1:
+            kv_memory = self._tensor_parallel_pool(model, kv_memory)
         self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, model.device, kv_memory)
         device = self.kv_cache.device
         use_graphs = config.cuda_graphs if config.cuda_graphs is not None else (config.optimize and device.type == "cuda")
@@ -82,8 +91,21 @@ class Engine:
         num_usable_blocks = config.num_blocks - 1 if use_graphs else config.num_blocks  # the last block is the graphs' scratch
         self.block_manager = BlockManager(num_usable_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
-        self.backend = backends.select(config.backend, self.kv_cache, torch.get_num_threads() if device.type == "cpu" else 1)
-        self.model = build_model(model, self.backend, max_model_len, quantized)  # raises UnsupportedModelError
+        self.tp = None  # the tensor-parallel group (ranks 1 ..), or None on one rank
+        threads = torch.get_num_threads() if device.type == "cpu" else 1
+        if tp > 1:
+            if quantized:
+                log.info("tensor parallel: dense weights (GGUF blocks are read whole, not split)")
+            try:
+                self.tp, self.model = tensor_parallel.start(model, self.kv_cache, tp, config.backend, threads, max_model_len,
+                                                            max(config.max_num_batched_tokens, config.chunk_size), config.max_num_seqs)
+            except BaseException:
+                self.close()
+                raise
+            self.backend = self.model.backend
+        else:
+            self.backend = backends.select(config.backend, self.kv_cache, threads)
+            self.model = build_model(model, self.backend, max_model_len, quantized)  # raises UnsupportedModelError
         if config.optimize and device.type == "cpu":
             keep_freed_memory()
         graphs = None
@@ -92,7 +114,7 @@ class Engine:
             use_graphs = False
         if use_graphs:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.num_blocks - 1, config.max_num_seqs, max_model_len, capture=device.type == "cuda")
-        self.runner = ModelRunner(self.model, self.backend, graphs)
+        self.runner = ModelRunner(self.model, self.backend, graphs, self.tp)
         self.grammars = grammars
         self._masks: ThreadPoolExecutor | None = None  # fills grammar masks while a forward runs (started on first use)
         self.lock = threading.RLock()  # guards the scheduler and block manager
@@ -100,6 +122,35 @@ class Engine:
         self.num_tokens_computed = 0
         self.busy_s = 0.0  # seconds spent in steps that ran a batch (autoscaling's busy fraction)
         self._publish_stats()
+
+    def _tensor_parallel_pool(self, model: Checkpoint, kv_memory: PoolMemory | None) -> PoolMemory:
+        """The memory of a pool every rank maps: ``kv_memory`` where it is a shared file, else
+        one made here. Raises ValueError for a GPU model or a pool that cannot be shared."""
+        if model.device.type != "cpu":
+            raise ValueError("tensor_parallel_size > 1 runs on CPU ranks; a GPU model runs on one device")
+        if self.config.cuda_graphs:
+            raise ValueError("tensor_parallel_size > 1 runs its steps eagerly: cuda_graphs must be off")
+        if kv_memory is not None and kv_memory.shm_path is not None:
+            return kv_memory
+        if kv_memory is not None and type(kv_memory) is not PoolMemory:
+            raise ValueError(f"tensor_parallel_size > 1 needs a KV pool its ranks can map, not {type(kv_memory).__name__}")
+        path = f"/dev/shm/pdserve-tp-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._own_memory = SharedPoolMemory(path, self.kv_spec, self.config.num_blocks, self.config.block_size)
+        return self._own_memory
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks and remove a shared pool made here (idempotent)."""
+        if getattr(self, "tp", None) is not None:
+            self.tp.close()
+            self.tp = None
+        if self._own_memory is not None:
+            self._own_memory.close()
+            self._own_memory = None
+
+    def check_health(self) -> None:
+        """Raises RuntimeError where a tensor-parallel rank died or failed."""
+        if self.tp is not None:
+            self.tp.check()
 
     def check_fits(self, seq: Sequence) -> None:
         """Raises InvalidRequestError if ``seq`` could never fit in the KV pool (no lock taken)."""

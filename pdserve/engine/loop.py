@@ -141,11 +141,12 @@ class EngineLoop:
     def check_health(self) -> None:
         """For Ray Serve's health check: raises RuntimeError if the loop thread died, or
         WorkerStalledError (a RuntimeError) if one step has run longer than ``max_step_s``
-        seconds (a hung forward). Ray Serve then replaces this replica alone; its peers see
+        seconds (a hung forward), or where a tensor-parallel rank died. Ray Serve then replaces this replica alone; its peers see
         failed calls, which they retry, migrate or recompute."""
         if not self.is_alive():
             raise RuntimeError("engine thread has stopped")
         self.raise_if_stalled()
+        self.engine.check_health()  # a tensor-parallel rank that died
 
     def raise_if_stalled(self) -> None:
         """Raises WorkerStalledError if the current step has run over ``max_step_s``."""
@@ -160,9 +161,13 @@ class EngineLoop:
             return False
         return True
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the loop after its current step; wait up to ``wait_s`` for its thread, which
+        closes the engine as it ends (tensor-parallel ranks, a shared pool)."""
         self._stop.set()
         self._wake.set()
+        if wait_s > 0 and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(wait_s)
 
     def _emit(self, seq: Sequence, item: TokenChunk | BaseException) -> None:
         with self._lock:
@@ -203,6 +208,12 @@ class EngineLoop:
 
     def _run(self) -> None:
         self._set_nice()
+        try:
+            self._steps()
+        finally:  # the engine's tensor-parallel ranks and shared pool go with its thread
+            self.engine.close()
+
+    def _steps(self) -> None:
         while not self._stop.is_set():
             with self._lock:
                 adds, self._adds = self._adds, []

@@ -16,12 +16,14 @@ from pdserve.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, backend: Backend, graphs: DecodeGraphs | None = None):
+    def __init__(self, model, backend: Backend, graphs: DecodeGraphs | None = None, tp=None):
         """model: pdserve's model over ``backend`` (engine/models/); graphs: run the decode
-        steps they can take from CUDA graphs."""
+        steps they can take from CUDA graphs; tp: the tensor-parallel group whose other ranks
+        run each step's metadata too (tensor_parallel/group.py), or None."""
         self.model = model
         self.backend = backend
         self.graphs = graphs
+        self.tp = tp
 
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -32,4 +34,7 @@ class ModelRunner:
                 return self.graphs.forward(batch)
             except GraphCaptureFailed:  # logged; this and every later step run eagerly
                 pass
-        return self.model.forward(self.backend.prepare(batch)).cpu()
+        meta = self.backend.prepare(batch)
+        if self.tp is not None:
+            self.tp.broadcast(meta)
+        return self.model.forward(meta).cpu()

@@ -52,20 +52,26 @@ def test_prefill_to_decode_hand_off_equals_hf_generate(family):
     prefill, decode = engine_for(family), engine_for(family)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
-        first = Sequence(f"p{i}", list(p), len(p), params, stop_after_first_token=True)
-        prefill.add(first)
-        run_to_completion(prefill)
-        blocks = decode.reserve(len(p))
-        src, dst = torch.tensor(first.block_table[: len(blocks)]), torch.tensor(blocks)
-        for layer in range(decode.kv_spec.num_layers):
-            decode.kv_cache.write_blocks(layer, dst, *prefill.kv_cache.read_blocks(layer, src))
-        prefill.free_blocks(first.block_table)
-        seq = Sequence(f"d{i}", list(first.token_ids), len(p), params, num_computed_tokens=len(p), block_table=blocks)
-        decode.add(seq)
-        run_to_completion(decode)
-        assert seq.token_ids[len(p):] == reference_generate(reference, p, 10, ignore_eos=True)
+        assert hand_off(prefill, decode, p, params, str(i)) == reference_generate(reference, p, 10, ignore_eos=True)
     assert_all_blocks_free(prefill)
     assert_all_blocks_free(decode)
+
+
+def hand_off(prefill: Engine, decode: Engine, prompt: list[int], params: SamplingParams, name: str) -> list[int]:
+    """Prefill ``prompt`` to its first token, copy its KV blocks into ``decode``'s pool, free
+    them in prefill and decode the rest. Returns the generated ids."""
+    first = Sequence(f"p{name}", list(prompt), len(prompt), params, stop_after_first_token=True)
+    prefill.add(first)
+    run_to_completion(prefill)
+    blocks = decode.reserve(len(prompt))
+    src, dst = torch.tensor(first.block_table[: len(blocks)]), torch.tensor(blocks)
+    for layer in range(decode.kv_spec.num_layers):
+        decode.kv_cache.write_blocks(layer, dst, *prefill.kv_cache.read_blocks(layer, src))
+    prefill.free_blocks(first.block_table)
+    seq = Sequence(f"d{name}", list(first.token_ids), len(prompt), params, num_computed_tokens=len(prompt), block_table=blocks)
+    decode.add(seq)
+    run_to_completion(decode)
+    return seq.token_ids[len(prompt):]
 
 
 def needle_outputs(engine: Engine, prompts: list[list[int]], where: int) -> list:

@@ -51,6 +51,9 @@ class Backend(ABC):
     """One engine's compute: ``kv_cache`` is its pool, ``num_threads`` the threads a kernel may use."""
 
     name = "base"
+    # tensor parallel: (function, context) addresses of the all-reduce a fused decoder calls
+    # after each row-parallel projection (tensor_parallel/comm.py); None on one rank
+    allreduce_hook: tuple[int, int] | None = None
 
     def __init__(self, kv_cache: PagedKVCache, num_threads: int = 1):
         self.kv_cache = kv_cache

@@ -70,7 +70,7 @@ class CpuBackend(Backend):
             hidden=first.qkv.in_features, heads=first.heads, kv_heads=first.kv_heads, head_dim=first.head_dim,
             intermediate=first.down.in_features, block_size=self.kv_cache.block_size, eps=first.input_norm.eps, scale=first.scale,
             cos=first.rotary.cos, sin=first.rotary.sin, dtype=first.input_norm.weight.dtype, num_threads=self.num_threads,
-            quantized=first.qkv.quantized)
+            quantized=first.qkv.quantized, allreduce=self.allreduce_hook)
 
         def run(h: torch.Tensor, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
             return decoder(h, meta.positions, meta.slot_mapping, meta.token_seq, meta.block_tables)

@@ -6,6 +6,7 @@
 - ``attention.c``: paged causal attention over the KV pool, prompt chunks and decode alike.
 - ``decoder.c``: a step's decoder layers in one call over the three above (ops.py ``Decoder``).
 - ``kv_blocks.c``: block copies and checksums for the shm KV transfer backend.
+- ``tp_comm.c``: tensor parallelism's all-reduce and barrier over one shared-memory segment.
 - ``simd.h``, ``parallel.h``: the vector abstraction (AVX-512, AVX2, portable) and the thread
   split (one pool of workers, the linear library's, shared by every library that splits work).
 - ``amx.h``, ``linear_amx.h``, ``attention_amx.h``: bf16 linear layers and attention on AMX
@@ -70,6 +71,12 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
     },
     "decoder": {
         "decoder_layers": (ctypes.c_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64]),
+    },
+    "tp_comm": {
+        "tp_barrier": (ctypes.c_int, [_ptr, ctypes.c_int, ctypes.c_int, _u64, ctypes.c_double]),
+        "tp_allreduce": (ctypes.c_int, [_ptr, ctypes.c_int, ctypes.c_int, _i64, _u64, _ptr, _i64, ctypes.c_int, ctypes.c_double]),
+        "tp_slot": (_ptr, [_ptr, ctypes.c_int, _i64, _u64, ctypes.c_int]),
+        "tp_ctx_allreduce": (ctypes.c_int, [_ptr, _ptr, _i64]),
     },
     "kv_blocks": {
         "kv_checksum_blocks": (_u64, [_ptr, _i64, _i64, _ptr, _i64, _i64, _u64]),

@@ -11,6 +11,8 @@
  *   o = attention(q, k, v)                stores k, v in slots first; [N, heads D]
  *   x, res = add_rmsnorm(o Wo^T, res)
  *   h = silu_mul(x Wgu^T) Wdown^T         gate-up [N, 2I], then [N, I], then [N, H]
+ * Under tensor parallelism (a rank's share of heads and of I) o Wo^T and the down projection
+ * are partial sums, added over the ranks by `allreduce` before they are used.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,6 +21,7 @@ typedef void (*linear_fn)(const void *, int64_t, int64_t, int64_t, const void *,
 typedef void (*norm_fn)(const void *, int64_t, void *, int64_t, int, const void *, void *, int64_t, int64_t, int64_t, float, int, int64_t);
 typedef void (*rope_fn)(void *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *, const float *, int, int64_t);
 typedef void (*silu_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int, int64_t);
+typedef int (*allreduce_fn)(void *, void *, int64_t);
 typedef int (*attn_fn)(const void *, int64_t, int64_t, int64_t, int64_t, int64_t, void *, void *, int64_t, const void *, const void *,
                        int64_t, const int64_t *, const int32_t *, int64_t, const int32_t *, const int64_t *, int64_t, float, void *, int,
                        int64_t);
@@ -36,11 +39,14 @@ typedef struct {
     rope_fn rope;
     silu_fn silu_mul;
     attn_fn attention;
+    allreduce_fn allreduce; /* tensor parallel: the sum over ranks of a row-parallel layer's output, in place; NULL alone */
+    void *allreduce_ctx;
 } decoder_model;
 
 /* h: [N, H] the embeddings in, the last layer's output out; res: [N, H] the residual out.
  * positions, slots: [N] int64; token_seq: [N] int32; block_tables: [S, max_blocks] int32.
- * Returns 0; -1 when the attention kernel refuses the head layout; -2 when out of memory. */
+ * Returns 0; -1 when the attention kernel refuses the head layout; -2 when out of memory; -3
+ * when an all-reduce timed out (a tensor-parallel peer died or hung). */
 int decoder_layers(const decoder_model *m, void *h, void *res, int64_t N, const int64_t *positions, const int64_t *slots,
                    const int32_t *token_seq, const int32_t *block_tables, int64_t max_blocks) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate, es = m->bf ? 2 : 4;
@@ -58,10 +64,12 @@ int decoder_layers(const decoder_model *m, void *h, void *res, int64_t N, const 
                           qkv + (O + m->kv_heads * D) * es, QKV, slots, block_tables, max_blocks, token_seq, positions, m->block_size,
                           m->scale, o, (int)m->bf, m->nthreads);
         m->linear(o, N, O, O, w[2], H, w[3], t, H, m->nthreads);
+        if (m->allreduce && m->allreduce(m->allreduce_ctx, t, N * H)) rc = -3;
         m->add_rmsnorm(t, H, res, H, 1, w[9], x, H, N, H, m->eps, (int)m->bf, m->nthreads);
         m->linear(x, N, H, H, w[4], 2 * I, w[5], gu, 2 * I, m->nthreads);
         m->silu_mul(gu, 2 * I, act, I, N, I, (int)m->bf, m->nthreads);
         m->linear(act, N, I, I, w[6], H, w[7], h, H, m->nthreads);
+        if (rc == 0 && m->allreduce && m->allreduce(m->allreduce_ctx, h, N * H)) rc = -3;
     }
     free(mem);
     return rc;

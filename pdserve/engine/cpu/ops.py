@@ -202,7 +202,7 @@ class _DecoderModel(ctypes.Structure):
                                               "block_size", "bf", "nthreads")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("weights", ctypes.POINTER(ctypes.c_void_p)),
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)] + [
-        (n, ctypes.c_void_p) for n in ("linear", "add_rmsnorm", "rope", "silu_mul", "attention")]
+        (n, ctypes.c_void_p) for n in ("linear", "add_rmsnorm", "rope", "silu_mul", "attention", "allreduce", "allreduce_ctx")]
 
 
 class Decoder:
@@ -214,12 +214,15 @@ class Decoder:
     ``b_qkv``, ``w_o``, ``b_o``, ``w_gu``, ``b_gu``, ``w_down``, ``b_down``: packed weights
     and biases or None; ``norm_in``, ``norm_post``: [H]; ``k``, ``v``: the layer's pool
     [kv_heads, slots, D]); the sizes as named; quantized: the four weights are ``qpack``
-    results (all or none). The tensors must outlive the Decoder."""
+    results (all or none); allreduce: under tensor parallelism, (function, context) addresses
+    that sum the o and down projections' [N, H] outputs over the ranks in place
+    (tensor_parallel/comm.py). The tensors must outlive the Decoder."""
 
     _ORDER = ("w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu", "w_down", "b_down", "norm_in", "norm_post", "k", "v")
 
     def __init__(self, layers: list[dict], *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, block_size: int,
-                 eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, num_threads: int, quantized: bool = False):
+                 eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, num_threads: int, quantized: bool = False,
+                 allreduce: tuple[int, int] | None = None):
         self._keep = (layers, cos, sin)
         ptrs = [t.data_ptr() if t is not None else None for layer in layers for t in (layer[n] for n in self._ORDER)]
         self._weights = (ctypes.c_void_p * len(ptrs))(*ptrs)
@@ -228,7 +231,7 @@ class Decoder:
             len(layers), hidden, heads, kv_heads, head_dim, intermediate, layers[0]["k"].stride(0), block_size, _bf(layers[0]["norm_in"]),
             num_threads, eps, scale, ctypes.cast(self._weights, ctypes.POINTER(ctypes.c_void_p)), cos.data_ptr(), sin.data_ptr(),
             fn("linear", ("qlinear_" if quantized else "linear_") + ("bf16" if dtype == torch.bfloat16 else "f32")), fn("pointwise", "add_rmsnorm"),
-            fn("pointwise", "rope_inplace"), fn("pointwise", "silu_mul"), fn("attention", "paged_attention"))
+            fn("pointwise", "rope_inplace"), fn("pointwise", "silu_mul"), fn("attention", "paged_attention"), *(allreduce or (None, None)))
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, token_seq: torch.Tensor,
                  block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,6 +245,8 @@ class Decoder:
                                             slots.data_ptr(), token_seq.data_ptr(), block_tables.data_ptr(), block_tables.shape[1])
         if rc == -1:
             raise ValueError("paged attention kernel: unsupported head layout")
+        if rc == -3:
+            raise TimeoutError("tensor parallel: an all-reduce timed out (a peer rank died or hung)")
         if rc != 0:
             raise MemoryError("decoder layers: no memory for the step's activations")
         return h, residual

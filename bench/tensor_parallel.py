@@ -1,0 +1,120 @@
+"""The decode step and a prefill at tensor-parallel sizes 1 and 2: ``bash bench/run.sh tensor_parallel``.
+
+A random Llama checkpoint near the bundled model's size whose heads split in two (hidden 512,
+8 heads and 4 KV heads of 64, intermediate 1536, 30 layers, vocab 49,152: 99M parameters;
+the bundled model's 9 heads do not), in this machine's default dtype, saved and loaded as a
+served model is. Three settings, each one engine, timed in turn:
+
+    tp1-t1   one rank, 1 thread
+    tp1-t2   one rank, 2 threads (the kernels' own thread split)
+    tp2      two ranks, 1 thread each (each reads half the weights; two all-reduces per layer)
+
+Per setting: one prefill of ``--prompt`` tokens (after one of half as many) and the median decode step at batch 1 and 16
+over a context of ``--context`` tokens, with the share of rank 0's step spent in all-reduces
+(waits for the slower rank included). Writes bench/out/tensor_parallel.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench import hardware
+from pdserve.config import ClusterConfig
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.sequence import Sequence
+from pdserve.model_loader import load_checkpoint, resolve_dtype
+from pdserve.sampling import SamplingParams
+
+SHAPE = dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4,
+             head_dim=64, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+SETTINGS = {"tp1-t1": (1, 1), "tp1-t2": (1, 2), "tp2": (2, 1)}  # name -> (ranks, threads per rank)
+
+
+def write_checkpoint(path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(path)
+
+
+def measure(path: Path, dtype: str, tp: int, threads: int, prompt: int, context: int, steps: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    engine = Engine(load_checkpoint(path, dtype), EngineConfig(num_blocks=2048, block_size=16, tensor_parallel_size=tp), frozenset(), 4096)
+    comm = engine.model.embed.comm if tp > 1 else None
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, SHAPE["vocab_size"], (max(prompt, context) + 64,), generator=gen).tolist()
+    out: dict[str, float] = {}
+    try:
+        for name, n in (("warm", prompt // 2), ("prefill", prompt)):
+            seq = Sequence(name, ids[:n] if name == "prefill" else ids[::-1][:n], n, SamplingParams(max_tokens=1))
+            engine.add(seq)
+            before = comm.spent_s if comm else 0.0
+            start = time.perf_counter()
+            while engine.scheduler.has_work():
+                engine.step()
+            out[f"{name}_s"] = time.perf_counter() - start
+            out[f"{name}_allreduce_fraction"] = ((comm.spent_s - before) if comm else 0.0) / out[f"{name}_s"]
+        del out["warm_s"], out["warm_allreduce_fraction"]
+        for batch in (1, 16):
+            seqs = [Sequence(f"b{batch}-{i}", ids[i : i + context], context, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+                    for i in range(batch)]
+            for s in seqs:
+                engine.add(s)
+            while any(s.num_generated == 0 for s in seqs):
+                engine.step()
+            times, reduce_s = [], 0.0
+            for _ in range(steps):
+                before = comm.spent_s if comm else 0.0
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+                reduce_s += (comm.spent_s - before) if comm else 0.0
+            while engine.scheduler.has_work():
+                engine.step()
+            out[f"decode_b{batch}_s"] = statistics.median(times)
+            out[f"decode_b{batch}_allreduce_fraction"] = reduce_s / sum(times)
+    finally:
+        engine.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt", type=int, default=256, help="prefill tokens")
+    parser.add_argument("--context", type=int, default=256, help="decode context per sequence")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    parser.add_argument("--out", default="bench/out/tensor_parallel.json")
+    args = parser.parse_args()
+    dtype = resolve_dtype(ClusterConfig.from_dict({"model": {"dtype": "auto"}}))
+    result = {"date": time.strftime("%Y-%m-%d"), **hardware.describe(), "cores": len(os.sched_getaffinity(0)), "dtype": dtype,
+              "shape": SHAPE, "prompt": args.prompt, "context": args.context, "settings": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(Path(tmp))
+        for name, (tp, threads) in SETTINGS.items():
+            result["settings"][name] = measure(Path(tmp), dtype, tp, threads, args.prompt, args.context, args.steps)
+            print(name, json.dumps({k: round(v, 4) for k, v in result["settings"][name].items()}), flush=True)
+    s = result["settings"]
+    result["ratios"] = {
+        "decode_b1_tp2_over_tp1_t1": s["tp2"]["decode_b1_s"] / s["tp1-t1"]["decode_b1_s"],
+        "decode_b1_tp2_over_tp1_t1_target": 0.6,
+        "decode_b1_tp2_over_tp1_t2": s["tp2"]["decode_b1_s"] / s["tp1-t2"]["decode_b1_s"],
+        "decode_b16_tp2_over_tp1_t1": s["tp2"]["decode_b16_s"] / s["tp1-t1"]["decode_b16_s"],
+        "decode_b16_tp2_over_tp1_t2": s["tp2"]["decode_b16_s"] / s["tp1-t2"]["decode_b16_s"],
+        "prefill_tp2_over_tp1_t1": s["tp2"]["prefill_s"] / s["tp1-t1"]["prefill_s"],
+        "prefill_tp2_over_tp1_t2": s["tp2"]["prefill_s"] / s["tp1-t2"]["prefill_s"],
+    }
+    print(json.dumps(result["ratios"], indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

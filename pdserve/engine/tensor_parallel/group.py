@@ -1,0 +1,274 @@
+"""TPGroup: an engine's tensor-parallel ranks on one node. Rank 0 is the engine's own process
+(scheduler, sampler, KV hand-off); ranks 1 .. n-1 are child processes that each hold a
+share of the weights (shard.py) and run the same forward on every step.
+
+    rank 0                                 rank r > 0 (worker_main)
+    meta = backend.prepare(batch)
+    send meta to every rank  ───────────►  meta = recv()
+    model.forward(meta)                    model.forward(meta)
+       all-reduce after o_proj, down  ◄──►    the same collectives (comm.py)
+       logits: gather vocab columns   ◄───    its columns
+    sample (rank 0 only)
+
+The KV pool is one shared-memory file of all KV heads (engine/kv_cache.py SharedPoolMemory).
+Each rank's attention stores and reads only its own heads, through a view; rank 0's engine
+sees the whole pool, so the KV hand-off, block copies and checksums see whole heads, the
+same bytes as at any other tensor-parallel size. A prefill at TP=p hands off to a decode at
+TP=d for any p and d without a layout of its own.
+
+A rank that dies leaves its peers waiting at the next collective: it times out (comm.py
+TIMEOUT_S) and the step raises; ``check`` says at once, for the health check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import uuid
+from multiprocessing.connection import Connection
+
+import torch
+
+from pdserve.engine import backends
+from pdserve.engine.allocator import keep_freed_memory
+from pdserve.engine.kv_cache import PagedKVCache, PoolMemory, map_pool_file
+from pdserve.engine.tensor_parallel.comm import ShmComm
+from pdserve.engine.tensor_parallel.shard import ShardedCheckpoint, kv_head_range, vocab_ranges
+from pdserve.kv_layout import KVSpec
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # longest rank 0 waits for a rank to load its share
+
+
+class HeadsView(PoolMemory):
+    """One rank's KV heads [lo, hi) of a pool mapped whole: views, no memory of its own."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int):
+        self.kv = k[:, lo:hi], v[:, lo:hi]
+
+    def allocate(self, shape, dtype, device):
+        if tuple(self.kv[0].shape) != tuple(shape):
+            raise ValueError(f"a rank's KV view is {tuple(self.kv[0].shape)}, its spec wants {tuple(shape)}")
+        return self.kv
+
+
+def rank_kv_cache(pool_k: torch.Tensor, pool_v: torch.Tensor, spec: KVSpec, num_blocks: int, block_size: int, config, rank: int,
+                  world: int) -> PagedKVCache:
+    """Rank ``rank``'s view of the whole pool (its KV heads), as a PagedKVCache."""
+    lo, hi = kv_head_range(config, rank, world)
+    rank_spec = dataclasses.replace(spec, num_kv_heads=hi - lo)
+    return PagedKVCache(rank_spec, num_blocks, block_size, pool_k.device, HeadsView(pool_k, pool_v, lo, hi))
+
+
+def comm_capacity(config, dtype: torch.dtype, max_tokens: int, max_seqs: int, world: int) -> int:
+    """Slot bytes for a step of ``max_tokens`` tokens and ``max_seqs`` sampled rows."""
+    vocab = vocab_ranges(config.vocab_size, world)[0]
+    return max(max_tokens * config.hidden_size * dtype.itemsize, max_seqs * (vocab[1] - vocab[0]) * 4, 64)
+
+
+class VocabParallelEmbedding:
+    """The rank's rows [lo, hi) of the table; ids outside them give zeros, and the all-reduce
+    adds the one rank's row to zeros (exact)."""
+
+    def __init__(self, inner, lo: int, hi: int, comm: ShmComm):
+        self.inner, self.lo, self.hi, self.comm = inner, lo, hi, comm
+        self.quantized = inner.quantized
+        self.weight, self.blocks = inner.weight, getattr(inner, "blocks", None)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [N] int64 -> [N, H]."""
+        local = ids - self.lo
+        inside = (local >= 0) & (local < self.hi - self.lo)
+        h = self.inner(torch.where(inside, local, torch.zeros_like(local)))
+        h = torch.where(inside[:, None], h, torch.zeros_like(h)).contiguous()
+        return self.comm.all_reduce_(h)
+
+
+def parallelize(model, comm: ShmComm, config, rank: int, world: int) -> None:
+    """Turn ``model`` (built over a ShardedCheckpoint of rank ``rank``) into its rank of the
+    group: the all-reduce after each row-parallel projection (o_proj, down), the vocabulary
+    embedding's all-reduce, the LM head's gather (rank 0 gets every column), and the fused
+    decoder rebuilt with the all-reduce inside."""
+    widths = [hi - lo for lo, hi in vocab_ranges(config.vocab_size, world)]
+    lo, hi = vocab_ranges(config.vocab_size, world)[rank]
+    model.embed = VocabParallelEmbedding(model.embed, lo, hi, comm)
+    backend = model.backend
+    pending: list = []  # layer-wise streaming: a layer is marked stored once every rank stored it
+    mark = backend.mark_stored
+
+    def defer(layer, meta):
+        pending.append((layer, meta))
+
+    def reduce_o(y: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce_(y)  # every rank has stored this layer's KV before its o_proj
+        while pending:
+            mark(*pending.pop(0))
+        return y
+
+    backend.mark_stored = defer
+    for layer in model.layers:
+        layer.o_proj.after = reduce_o
+        layer.down.after = comm.all_reduce_
+
+    def gather(y: torch.Tensor) -> torch.Tensor:
+        full = comm.gather_columns(y.float(), widths)
+        return full.to(y.dtype) if full is not None else y
+
+    model.lm_head.after = gather
+    backend.allreduce_hook = comm.hook
+    if getattr(model, "fused", None) is not None:
+        model.fused = backend.fuse_layers(model.layers)
+
+
+@dataclasses.dataclass
+class RankPlan:
+    """What a rank needs to build its share (picklable for a spawned process)."""
+
+    checkpoint: object  # the whole Checkpoint (re-opened in the child)
+    world: int
+    pool_path: str
+    spec: KVSpec
+    num_blocks: int
+    block_size: int
+    comm_path: str
+    comm_cap: int
+    backend: str
+    num_threads: int
+    max_positions: int
+
+
+def build_rank(plan: RankPlan, rank: int, comm: ShmComm, pool: tuple[torch.Tensor, torch.Tensor]):
+    """Rank ``rank``'s model over its share of the weights and its view of the pool."""
+    from pdserve.engine.models import build_model
+
+    shard = ShardedCheckpoint(plan.checkpoint, rank, plan.world)
+    kv = rank_kv_cache(*pool, plan.spec, plan.num_blocks, plan.block_size, plan.checkpoint.config, rank, plan.world)
+    backend = backends.select(plan.backend, kv, plan.num_threads)
+    model = build_model(shard, backend, plan.max_positions)
+    parallelize(model, comm, plan.checkpoint.config, rank, plan.world)
+    return model
+
+
+def worker_main(conn, rank: int) -> None:
+    """A rank > 0: read its plan, build its share, say "ready", then run every step rank 0
+    sends until it says "close" or its pipe ends (rank 0 gone)."""
+    try:
+        plan = pickle.loads(conn.recv_bytes())
+        torch.set_num_threads(plan.num_threads)
+        keep_freed_memory()  # as rank 0's engine: a step's buffers reused, not mapped and faulted in anew
+        comm = ShmComm(plan.comm_path, rank, plan.world, plan.comm_cap, plan.checkpoint.dtype)
+        pool = map_pool_file(plan.pool_path, plan.spec, plan.num_blocks, plan.block_size)
+        model = build_rank(plan, rank, comm, pool)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        if msg == b"close":
+            return
+        meta = pickle.loads(msg)
+        try:
+            with torch.inference_mode(), model.backend.step_scope():
+                model.forward(meta)
+        except Exception as e:  # noqa: BLE001
+            log.error("tensor parallel rank %d: %s", rank, e)
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+            return
+
+
+class TPGroup:
+    def __init__(self, plan: RankPlan, comm: ShmComm):
+        """Start ranks 1 .. world-1 (child processes) and wait until each has loaded its
+        share. Raises RuntimeError naming the rank that failed, TimeoutError."""
+        self.plan, self.comm = plan, comm
+        self.procs, self.conns = [], []
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank in range(1, plan.world):  # a fresh interpreter each (no fork of a threaded process, no re-run of __main__)
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.tensor_parallel.rank", str(theirs.fileno()), str(rank)],
+                                    pass_fds=(theirs.fileno(),))
+            theirs.close()
+            conn = Connection(ours.detach())
+            self.procs.append(proc)
+            self.conns.append(conn)
+            conn.send_bytes(data)
+        try:
+            for rank, conn in enumerate(self.conns, 1):
+                if not conn.poll(START_TIMEOUT_S):
+                    raise TimeoutError(f"tensor parallel rank {rank} did not load in {START_TIMEOUT_S:.0f} s")
+                what, detail = conn.recv()
+                if what != "ready":
+                    raise RuntimeError(f"tensor parallel rank {rank} failed to start: {detail}")
+        except BaseException:
+            self.close()
+            raise
+
+    def broadcast(self, meta) -> None:
+        """Send one step's metadata to ranks 1 .. n-1 (before rank 0 runs it). Raises
+        RuntimeError where a rank is gone."""
+        self.check()
+        data = pickle.dumps(dataclasses.replace(meta, kv_progress=None), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send_bytes(data)
+            except OSError as e:
+                raise RuntimeError(f"tensor parallel rank {rank} is gone: {e}") from e
+
+    def check(self) -> None:
+        """Raises RuntimeError if a rank died or reported an error."""
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor parallel rank {rank} (pid {proc.pid}) died with exit code {proc.returncode}")
+            if conn.poll():
+                try:
+                    _, detail = conn.recv()
+                except (EOFError, OSError):
+                    detail = "its pipe closed"
+                raise RuntimeError(f"tensor parallel rank {rank}: {detail}")
+
+    def close(self) -> None:
+        """Stop the ranks (each within 10 s, else killed)."""
+        for conn in self.conns:
+            try:
+                conn.send_bytes(b"close")
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+
+def start(checkpoint, kv_cache: PagedKVCache, world: int, backend: str, num_threads: int, max_positions: int, max_tokens: int,
+          max_seqs: int):
+    """Rank 0's side for an engine whose pool ``kv_cache`` lives in a shared file: the comm
+    segment, ranks 1 .. world-1 started, and rank 0's own model. Returns (group, model).
+    Raises UnsupportedModelError, RuntimeError, TimeoutError, OSError."""
+    ShardedCheckpoint(checkpoint, 0, world)  # refuses an unsplittable model before anything starts
+    cap = comm_capacity(checkpoint.config, checkpoint.dtype, max_tokens, max_seqs, world)
+    path = f"/dev/shm/pdserve-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    comm = ShmComm(path, 0, world, cap, checkpoint.dtype, create=True)
+    plan = RankPlan(checkpoint, world, kv_cache.shm_path, kv_cache.spec, kv_cache.num_blocks, kv_cache.block_size, path, cap, backend,
+                    num_threads, max_positions)
+    try:
+        group = TPGroup(plan, comm)
+    finally:
+        comm.unlink()  # every rank has mapped it (or failed)
+    model = build_rank(plan, 0, comm, (kv_cache.k, kv_cache.v))
+    return group, model
+
