@@ -9,7 +9,7 @@ served model is. Three settings, each one engine, timed in turn:
     tp1-t2   one rank, 2 threads (the kernels' own thread split)
     tp2      two ranks, 1 thread each (each reads half the weights; two all-reduces per layer)
 
-Per setting: one prefill of ``--prompt`` tokens (after one of half as many) and the median decode step at batch 1 and 16
+Per setting: the median of three prefills of ``--prompt`` tokens (after three to warm up) and the median decode step at batch 1 and 16
 over a context of ``--context`` tokens, with the share of rank 0's step spent in all-reduces
 (waits for the slower rank included). Writes bench/out/tensor_parallel.json.
 """
@@ -53,22 +53,27 @@ def measure(path: Path, dtype: str, tp: int, threads: int, prompt: int, context:
     ids = torch.randint(3, SHAPE["vocab_size"], (max(prompt, context) + 64,), generator=gen).tolist()
     out: dict[str, float] = {}
     try:
-        for name, n in (("warm", prompt // 2), ("prefill", prompt)):
-            seq = Sequence(name, ids[:n] if name == "prefill" else ids[::-1][:n], n, SamplingParams(max_tokens=1))
+        prefills, reduce_s = [], 0.0
+        for i in range(6):  # three to warm up (each rank's first steps of a size fault in their buffers), three timed
+            seq = Sequence(f"p{i}", ids[i : i + prompt][::-1] if i % 2 else ids[i : i + prompt], prompt, SamplingParams(max_tokens=1))
             engine.add(seq)
             before = comm.spent_s if comm else 0.0
             start = time.perf_counter()
             while engine.scheduler.has_work():
                 engine.step()
-            out[f"{name}_s"] = time.perf_counter() - start
-            out[f"{name}_allreduce_fraction"] = ((comm.spent_s - before) if comm else 0.0) / out[f"{name}_s"]
-        del out["warm_s"], out["warm_allreduce_fraction"]
+            if i >= 3:
+                prefills.append(time.perf_counter() - start)
+                reduce_s += (comm.spent_s - before) if comm else 0.0
+        out["prefill_s"] = statistics.median(prefills)
+        out["prefill_allreduce_fraction"] = reduce_s / sum(prefills)
         for batch in (1, 16):
-            seqs = [Sequence(f"b{batch}-{i}", ids[i : i + context], context, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+            seqs = [Sequence(f"b{batch}-{i}", ids[i : i + context], context, SamplingParams(max_tokens=steps + 5, ignore_eos=True))
                     for i in range(batch)]
             for s in seqs:
                 engine.add(s)
             while any(s.num_generated == 0 for s in seqs):
+                engine.step()
+            for _ in range(3):  # warm-up steps of this batch size
                 engine.step()
             times, reduce_s = [], 0.0
             for _ in range(steps):

@@ -145,8 +145,7 @@ def build_engine(cfg: ClusterConfig, pool_name: str, kv_memory: KVMemoryHook | N
     pool in private memory. Returns the engine and this worker's KV fingerprint. Raises
     ConfigError (also from ``kv_memory``).
     """
-    pool = getattr(cfg, pool_name)
-    num_threads = pool.num_threads or max(1, assigned_num_cpus() // pool.tensor_parallel_size)  # per rank
+    num_threads = getattr(cfg, pool_name).num_threads or assigned_num_cpus()  # per tensor-parallel rank: each holds a bundle of these
     torch.set_num_threads(num_threads)
     device = worker_device(cfg)
     model_dir = resolve_model_dir(cfg.model.path)

@@ -37,7 +37,19 @@ def _pool_options(name: str, pool: PoolConfig) -> dict:
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
         "ray_actor_options": dict(pool.ray_actor_options),
+        **_rank_bundles(pool),
     }
+
+
+def _rank_bundles(pool: PoolConfig) -> dict:
+    """A tensor-parallel replica's placement group: one bundle of the pool's actor resources
+    per rank, all on one node (STRICT_PACK). Rank 0, the replica's actor, takes the first;
+    ranks 1 .. n-1 are its child processes, on the CPUs the others hold. Empty at TP=1."""
+    if pool.tensor_parallel_size == 1:
+        return {}
+    actor = pool.ray_actor_options
+    bundle = {"CPU": actor.get("num_cpus", 1), **({"GPU": actor["num_gpus"]} if actor.get("num_gpus") else {}), **(actor.get("resources") or {})}
+    return {"placement_group_bundles": [dict(bundle) for _ in range(pool.tensor_parallel_size)], "placement_group_strategy": "STRICT_PACK"}
 
 
 def holder_router_config():
@@ -163,15 +175,17 @@ def placement_problem(cfg: ClusterConfig, total: dict[str, float]) -> str | None
     asking for more of one than the whole cluster has, or every deployment at its
     ``min_replicas`` (the router at ``num_replicas``) asking for more CPUs or GPUs together."""
     pools = ("colocated",) if cfg.mode == "colocated" else ("prefill", "decode")
-    sections = [("router", cfg.router.ray_actor_options, cfg.router.num_replicas)]
-    sections += [(name, getattr(cfg, name).ray_actor_options, getattr(cfg, name).autoscaling_config.get("min_replicas", 1)) for name in pools]
+    sections = [("router", cfg.router.ray_actor_options, cfg.router.num_replicas, 1)]
+    sections += [(name, getattr(cfg, name).ray_actor_options, getattr(cfg, name).autoscaling_config.get("min_replicas", 1),
+                  getattr(cfg, name).tensor_parallel_size) for name in pools]
     together = {"CPU": 0.0, "GPU": 0.0}
-    for name, actor, replicas in sections:
-        demand = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus", 0), **(actor.get("resources") or {})}
+    for name, actor, replicas, ranks in sections:  # a tensor-parallel replica holds the actor's resources once per rank
+        demand = {"CPU": actor.get("num_cpus", 1) * ranks, "GPU": actor.get("num_gpus", 0) * ranks,
+                  **{k: v * ranks for k, v in (actor.get("resources") or {}).items()}}
         for resource, amount in demand.items():
             if amount and amount > total.get(resource, 0):
                 key = _ACTOR_KEY.get(resource, f"resources.{resource}")
-                return (f"{name}: a replica needs {amount:g} {resource} (ray_actor_options.{key}), "
+                return (f"{name}: a replica needs {amount:g} {resource} (ray_actor_options.{key}{' x tensor_parallel_size' if ranks > 1 else ''}), "
                         f"and this Ray cluster has {total.get(resource, 0):g} in all")
         for resource in together:
             together[resource] += demand[resource] * replicas

@@ -80,7 +80,8 @@ def kuberay(cfg: ClusterConfig, image: str, ray_version: str, secret_name: str =
     for name in _pools(cfg):
         pool = getattr(cfg, name)
         options = raw[name]["ray_actor_options"]
-        cpus, gpus = float(options.get("num_cpus", 1)), float(options.get("num_gpus", 0))
+        ranks = pool.tensor_parallel_size  # a replica's ranks share its node: one pod holds them all
+        cpus, gpus = float(options.get("num_cpus", 1)) * ranks, float(options.get("num_gpus", 0)) * ranks
         bounds = pool.autoscaling_config
         # KubeRay wants the resources as a quoted JSON string: "{\"prefill_node\": 1}"
         start = {"num-cpus": str(max(1, int(cpus))), "resources": json.dumps(json.dumps({k: 1 for k in options["resources"]}))}

@@ -146,13 +146,25 @@ class EngineLoop:
         if not self.is_alive():
             raise RuntimeError("engine thread has stopped")
         self.raise_if_stalled()
-        self.engine.check_health()  # a tensor-parallel rank that died
 
     def raise_if_stalled(self) -> None:
-        """Raises WorkerStalledError if the current step has run over ``max_step_s``."""
+        """Raises WorkerStalledError if the current step has run over ``max_step_s``, or the
+        engine cannot step again (a tensor-parallel rank died): the router sends the requests
+        elsewhere at once."""
+        broken = self._broken()
+        if broken is not None:
+            raise WorkerStalledError(f"this replica cannot step: {broken}")
         stalled_s = self.stalled_s()
         if stalled_s > self.max_step_s:
             raise WorkerStalledError(f"engine step stuck for {stalled_s:.0f} s (over max_step_s {self.max_step_s:g} s)")
+
+    def _broken(self) -> str | None:
+        """Why the engine can never step again (Engine.check_health), or None."""
+        try:
+            self.engine.check_health()
+        except RuntimeError as e:
+            return str(e)
+        return None
 
     def _take_hang_file(self) -> bool:
         try:
@@ -245,6 +257,9 @@ class EngineLoop:
             except Exception as e:  # a failed forward fails the requests in it, not the worker
                 self._step_started = None
                 log.exception("engine step failed")
+                broken = self._broken()
+                if broken is not None:  # for good: its requests go to another replica (router/retries.py)
+                    e = WorkerStalledError(f"this replica cannot step: {broken}")
                 for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
                     self.engine.abort(seq)
                     self._emit(seq, e)

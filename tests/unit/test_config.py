@@ -212,3 +212,21 @@ def test_replicas_that_a_fixed_ray_cluster_cannot_place_are_named():
     assert "resources.prefill_node" in placement_problem(
         ClusterConfig.from_dict({"prefill": {"ray_actor_options": {"num_cpus": 1, "resources": {"prefill_node": 0.5}}}}), two_cpus)
     assert placement_problem(ClusterConfig.from_dict({"mode": "colocated"}), two_cpus) is None  # one pool of 2 CPUs
+    tp2 = {"tensor_parallel_size": 2}  # a replica holds the actor's resources once per rank
+    assert placement_problem(ClusterConfig.from_dict({"prefill": tp2}), two_cpus) == (
+        "the deployments at their min_replicas need 3 CPU together, and this Ray cluster has 2: "
+        "lower ray_actor_options.num_cpus or min_replicas")
+    assert placement_problem(ClusterConfig.from_dict({"prefill": {**tp2, "ray_actor_options": {"num_cpus": 0.5}}}), two_cpus) is None
+    assert "needs 4 CPU (ray_actor_options.num_cpus x tensor_parallel_size)" in placement_problem(
+        ClusterConfig.from_dict({"decode": {"tensor_parallel_size": 4}}), two_cpus)
+
+
+def test_a_tensor_parallel_pool_is_one_strictly_packed_placement_group_of_a_bundle_per_rank():
+    from pdserve_app.deploy import _pool_options
+
+    cfg = ClusterConfig.from_dict({"prefill": {"tensor_parallel_size": 3, "ray_actor_options": {"num_cpus": 2, "resources": {"node_a": 0.1}}}})
+    options = _pool_options("prefill", cfg.prefill)
+    assert options["placement_group_bundles"] == [{"CPU": 2, "node_a": 0.1}] * 3 and options["placement_group_strategy"] == "STRICT_PACK"
+    assert "placement_group_bundles" not in _pool_options("decode", cfg.decode)
+    with pytest.raises(ConfigError, match="prefill.tensor_parallel_size must be an integer from 1 to 64"):
+        ClusterConfig.from_dict({"prefill": {"tensor_parallel_size": 0}})

@@ -72,11 +72,13 @@ def _try(fn, *args):
         return e
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_chunked_prompt_streamed_while_it_computes_is_exact(family):
+@pytest.mark.parametrize("family,tp", [("llama", 1), ("qwen2", 1), ("llama", 2)])
+def test_a_chunked_prompt_streamed_while_it_computes_is_exact(family, tp):
     """The fetch starts before prefill's first step; chunks of 16 tokens, 3 steps; decode
-    then continues from the streamed first token and matches the reference."""
-    prefill = Engine(tiny_model(family), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=16, chunk_size=16), EOS, 512)
+    then continues from the streamed first token and matches the reference. At TP=2 a layer
+    is marked stored once both ranks have stored their heads of it."""
+    prefill = Engine(tiny_model(family), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=16, chunk_size=16,
+                                                      tensor_parallel_size=tp), EOS, 512)
     decode = Engine(tiny_model(family), EngineConfig(num_blocks=64, block_size=4), EOS, 512)
     sender, receiver = KVServer("127.0.0.1", chunk_bytes=1024, block_size=4), KVClient("grpc")
     (prompt,) = random_prompts([45], seed=5)
@@ -102,6 +104,7 @@ def test_a_chunked_prompt_streamed_while_it_computes_is_exact(family):
     finally:
         sender.close()
         receiver.close()
+        prefill.close()
 
 
 def test_a_preempted_stream_stops_its_reader_and_the_blocks_are_freed_once():

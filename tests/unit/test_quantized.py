@@ -76,7 +76,8 @@ def test_blocks_widen_to_ggufs_own_values_and_the_kernel_is_the_dense_kernels_bi
         want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(kind)).reshape(n, k).astype(np.float32)
         packed = ops.qpack(kind, torch.from_numpy(data), n, k)
         assert torch.equal(ops.qdequant(packed, n, k).view(torch.int32), torch.from_numpy(want).view(torch.int32)), name
-        for dtype in (torch.float32, torch.bfloat16):
+        # bf16 on AMX tiles is the one case quantized_ok refuses (the engine keeps dense weights there)
+        for dtype in [d for d in (torch.float32, torch.bfloat16) if ops.quantized_ok(d)]:
             dense = ops.pack(torch.from_numpy(want).to(dtype))
             bias = torch.randn(n).to(dtype)
             for m in (1, 5, 6, 7, 64):

@@ -32,7 +32,7 @@ class TPContext(ctypes.Structure):
 
 def segment_bytes(world: int, cap: int) -> int:
     """Bytes of the shared file for ``world`` ranks with slots of ``cap`` bytes."""
-    return HEADER_BYTES * world + 2 * world * cap
+    return HEADER_BYTES * world + 2 * (world + 1) * cap
 
 
 class ShmComm:
@@ -97,7 +97,7 @@ class ShmComm:
         self._check(self.lib.tp_barrier(self.ctx.base, self.rank, self.world, self.ctx.g, self.ctx.timeout_s), "barrier")
 
     def _slot(self, g: int, r: int) -> torch.Tensor:
-        start = HEADER_BYTES * self.world + ((g % 2) * self.world + r) * self.cap
+        start = HEADER_BYTES * self.world + ((g % 2) * (self.world + 1) + r) * self.cap
         return self._bytes[start : start + self.cap]
 
     def unlink(self) -> None:

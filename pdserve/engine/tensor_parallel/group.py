@@ -29,6 +29,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from multiprocessing.connection import Connection
 
@@ -36,6 +37,7 @@ import torch
 
 from pdserve.engine import backends
 from pdserve.engine.allocator import keep_freed_memory
+from pdserve.engine.backends.base import StepMetadata
 from pdserve.engine.kv_cache import PagedKVCache, PoolMemory, map_pool_file
 from pdserve.engine.tensor_parallel.comm import ShmComm
 from pdserve.engine.tensor_parallel.shard import ShardedCheckpoint, kv_head_range, vocab_ranges
@@ -176,7 +178,7 @@ def worker_main(conn, rank: int) -> None:
             return
         if msg == b"close":
             return
-        meta = pickle.loads(msg)
+        meta = unpack_meta(msg)
         try:
             with torch.inference_mode(), model.backend.step_scope():
                 model.forward(meta)
@@ -186,11 +188,25 @@ def worker_main(conn, rank: int) -> None:
             return
 
 
+def pack_meta(meta: StepMetadata) -> bytes:
+    """A step's metadata as bytes for the other ranks: tensors as numpy arrays (a tenth of
+    pickling torch tensors), layer-wise streaming's progress left out (rank 0 marks it)."""
+    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name != "kv_progress"}
+    fields = {k: ("t", v.numpy()) if isinstance(v, torch.Tensor) else ("v", v) for k, v in fields.items()}
+    return pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_meta(data: bytes) -> StepMetadata:
+    fields = pickle.loads(data)
+    return StepMetadata(**{k: torch.from_numpy(v) if kind == "t" else v for k, (kind, v) in fields.items()})
+
+
 class TPGroup:
     def __init__(self, plan: RankPlan, comm: ShmComm):
         """Start ranks 1 .. world-1 (child processes) and wait until each has loaded its
         share. Raises RuntimeError naming the rank that failed, TimeoutError."""
         self.plan, self.comm = plan, comm
+        self._lock = threading.Lock()  # check() from the engine, event-loop and health-check threads
         self.procs, self.conns = [], []
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for rank in range(1, plan.world):  # a fresh interpreter each (no fork of a threaded process, no re-run of __main__)
@@ -217,7 +233,7 @@ class TPGroup:
         """Send one step's metadata to ranks 1 .. n-1 (before rank 0 runs it). Raises
         RuntimeError where a rank is gone."""
         self.check()
-        data = pickle.dumps(dataclasses.replace(meta, kv_progress=None), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pack_meta(meta)
         for rank, conn in enumerate(self.conns, 1):
             try:
                 conn.send_bytes(data)
@@ -225,7 +241,11 @@ class TPGroup:
                 raise RuntimeError(f"tensor parallel rank {rank} is gone: {e}") from e
 
     def check(self) -> None:
-        """Raises RuntimeError if a rank died or reported an error."""
+        """Raises RuntimeError if a rank died or reported an error (any thread may ask)."""
+        with self._lock:
+            self._check()
+
+    def _check(self) -> None:
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
             if proc.poll() is not None:
                 raise RuntimeError(f"tensor parallel rank {rank} (pid {proc.pid}) died with exit code {proc.returncode}")
