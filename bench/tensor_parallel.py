@@ -11,7 +11,9 @@ served model is. Three settings, each one engine, timed in turn:
 
 Per setting: the median of three prefills of ``--prompt`` tokens (after three to warm up) and the median decode step at batch 1 and 16
 over a context of ``--context`` tokens, with the share of rank 0's step spent in all-reduces
-(waits for the slower rank included). Writes bench/out/tensor_parallel.json.
+(waits for the slower rank included). The three settings run in turn, ``--rounds`` times; each
+ratio is taken within a round and the median over rounds reported with its range (a shared
+host's slow spells move single runs by 30% and more). Writes bench/out/tensor_parallel.json.
 """
 
 from __future__ import annotations
@@ -96,26 +98,30 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256, help="prefill tokens")
     parser.add_argument("--context", type=int, default=256, help="decode context per sequence")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of all three settings; medians over rounds")
     parser.add_argument("--out", default="bench/out/tensor_parallel.json")
     args = parser.parse_args()
     dtype = resolve_dtype(ClusterConfig.from_dict({"model": {"dtype": "auto"}}))
     result = {"date": time.strftime("%Y-%m-%d"), **hardware.describe(), "cores": len(os.sched_getaffinity(0)), "dtype": dtype,
-              "shape": SHAPE, "prompt": args.prompt, "context": args.context, "settings": {}}
+              "shape": SHAPE, "prompt": args.prompt, "context": args.context}
+    rounds: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp))
-        for name, (tp, threads) in SETTINGS.items():
-            result["settings"][name] = measure(Path(tmp), dtype, tp, threads, args.prompt, args.context, args.steps)
-            print(name, json.dumps({k: round(v, 4) for k, v in result["settings"][name].items()}), flush=True)
-    s = result["settings"]
-    result["ratios"] = {
-        "decode_b1_tp2_over_tp1_t1": s["tp2"]["decode_b1_s"] / s["tp1-t1"]["decode_b1_s"],
-        "decode_b1_tp2_over_tp1_t1_target": 0.6,
-        "decode_b1_tp2_over_tp1_t2": s["tp2"]["decode_b1_s"] / s["tp1-t2"]["decode_b1_s"],
-        "decode_b16_tp2_over_tp1_t1": s["tp2"]["decode_b16_s"] / s["tp1-t1"]["decode_b16_s"],
-        "decode_b16_tp2_over_tp1_t2": s["tp2"]["decode_b16_s"] / s["tp1-t2"]["decode_b16_s"],
-        "prefill_tp2_over_tp1_t1": s["tp2"]["prefill_s"] / s["tp1-t1"]["prefill_s"],
-        "prefill_tp2_over_tp1_t2": s["tp2"]["prefill_s"] / s["tp1-t2"]["prefill_s"],
-    }
+        for r in range(args.rounds):  # settings interleaved, so a slow spell of a shared host lands on every setting alike
+            rounds.append({})
+            for name, (tp, threads) in SETTINGS.items():
+                rounds[-1][name] = measure(Path(tmp), dtype, tp, threads, args.prompt, args.context, args.steps)
+                print(f"round {r}", name, json.dumps({k: round(v, 4) for k, v in rounds[-1][name].items()}), flush=True)
+    result["rounds"] = rounds
+    result["settings"] = {name: {k: statistics.median(rd[name][k] for rd in rounds) for k in rounds[0][name]} for name in SETTINGS}
+    pairs = {"decode_b1_tp2_over_tp1_t1": ("decode_b1_s", "tp1-t1"), "decode_b1_tp2_over_tp1_t2": ("decode_b1_s", "tp1-t2"),
+             "decode_b16_tp2_over_tp1_t1": ("decode_b16_s", "tp1-t1"), "decode_b16_tp2_over_tp1_t2": ("decode_b16_s", "tp1-t2"),
+             "prefill_tp2_over_tp1_t1": ("prefill_s", "tp1-t1"), "prefill_tp2_over_tp1_t2": ("prefill_s", "tp1-t2")}
+    # each ratio within one round (the settings measured minutes apart at most), then the median over rounds
+    result["ratios"] = {key: statistics.median(rd["tp2"][m] / rd[base][m] for rd in rounds) for key, (m, base) in pairs.items()}
+    result["ratios"]["decode_b1_tp2_over_tp1_t1_target"] = 0.6
+    result["ratio_ranges"] = {key: [min(rd["tp2"][m] / rd[base][m] for rd in rounds), max(rd["tp2"][m] / rd[base][m] for rd in rounds)]
+                              for key, (m, base) in pairs.items()}
     print(json.dumps(result["ratios"], indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
