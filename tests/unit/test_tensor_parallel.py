@@ -1,6 +1,6 @@
 """Tensor parallelism inside one engine (pdserve/engine/tensor_parallel): ranks as real child
 processes, collectives through shared memory. float32 greedy ids equal HF ``generate`` for
-every dense family at TP=2, for 4 and 8 KV heads and for fewer KV heads than ranks
+every dense and MoE family at TP=2, for 4 and 8 KV heads and for fewer KV heads than ranks
 (replicated), and for the bundled model at TP=3; a needle is the same bits alone and in any
 batch at TP=2; KV handed off P(TP=2) -> D(TP=1) and P(TP=1) -> D(TP=2) decodes to HF's ids;
 what cannot split is refused in one line; a killed rank fails the step and the health check
@@ -54,9 +54,10 @@ def greedy(eng: Engine, prompts, max_tokens: int = 12) -> list[list[int]]:
     return [seq.token_ids[len(p):] for seq, p in zip(seqs, prompts)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral_window", "phi3", "gemma2", "gemma3"])
-def test_every_dense_family_at_tp2_equals_hf_generate(family):
-    """Batched and chunked, on the fused C decoder (llama, qwen2, phi3) or per layer."""
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral_window", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
+def test_every_family_that_splits_equals_hf_generate_at_tp2(family):
+    """Batched and chunked, on the fused C decoder (llama, qwen2, phi3) or per layer; the MoE
+    families with each expert's intermediate size split (Qwen3-MoE: an MoE layer, then a dense one)."""
     before = shm_files()
     eng = engine(tiny_model(family, seed=3), 2)
     try:
@@ -80,10 +81,11 @@ def test_split_and_replicated_kv_heads_equal_hf_generate(heads, kv_heads, tp):
     assert got == [reference_generate(model, p, 8, ignore_eos=True) for p in PROMPTS[1:4]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_needle_at_tp2_is_the_same_bits_alone_and_anywhere_in_a_batch(dtype):
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("llama", torch.bfloat16), ("mixtral", torch.bfloat16)])
+def test_a_needle_at_tp2_is_the_same_bits_alone_and_anywhere_in_a_batch(family, dtype):
     needle = random_prompts([37], seed=11)[0]
-    eng = engine(llama(8, 4).to(dtype), 2, max_num_batched_tokens=256, chunk_size=64)
+    model = llama(8, 4) if family == "llama" else tiny_model(family, seed=3)
+    eng = engine(model.to(dtype), 2, max_num_batched_tokens=256, chunk_size=64)
     try:
         alone = needle_outputs(eng, [needle], 0)
         rng = random.Random(7)
@@ -137,9 +139,18 @@ def test_a_model_that_does_not_split_is_refused_in_one_line(heads, kv_heads, tp,
     with pytest.raises(UnsupportedModelError, match=message):
         check_tensor_parallel(config, "LlamaForCausalLM", tp)
     before = shm_files()
-    with pytest.raises(UnsupportedModelError, match="MixtralForCausalLM"):
-        engine(tiny_model("mixtral"), 2)
+    with pytest.raises(UnsupportedModelError, match="not DeepseekV2ForCausalLM"):
+        engine(tiny_model("deepseek_v2_lite"), 2)
     assert shm_files() == before
+
+
+def test_experts_whose_intermediate_size_does_not_divide_are_refused_in_one_line():
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=50, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size 4 does not divide the model's expert intermediate size 50"):
+        check_tensor_parallel(config, "Qwen3MoeForCausalLM", 4)
+    check_tensor_parallel(config, "Qwen3MoeForCausalLM", 2)
 
 
 def test_a_killed_rank_fails_the_step_and_the_health_check_by_name():

@@ -28,6 +28,7 @@ class MoE:
         expert's output (Qwen3-MoE), else kept in float32 (Mixtral)."""
         self.backend, self.top_k, self.renormalize, self.in_model_dtype = backend, top_k, renormalize, weights_in_model_dtype
         self.router = Linear(backend, router, name=f"{name}.gate")
+        self.after = None  # tensor parallel: the all-reduce of the rank's partial sums (tensor_parallel/group.py)
         self.experts = [(Linear(backend, gate_up[e], name=f"{name}.experts.{e}.gate_up"), Linear(backend, down[e], name=f"{name}.experts.{e}.down"))
                         for e in range(gate_up.shape[0])]
 
@@ -53,4 +54,4 @@ class MoE:
             gate_up, down = self.experts[e]
             y = down(self.backend.silu_mul(gate_up(x[rows])))  # [rows, H]
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(x.dtype))
-        return out
+        return out if self.after is None else self.after(out.contiguous())

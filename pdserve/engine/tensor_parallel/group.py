@@ -94,7 +94,8 @@ class VocabParallelEmbedding:
 
 def parallelize(model, comm: ShmComm, config, rank: int, world: int) -> None:
     """Turn ``model`` (built over a ShardedCheckpoint of rank ``rank``) into its rank of the
-    group: the all-reduce after each row-parallel projection (o_proj, down), the vocabulary
+    group: the all-reduce after each row-parallel projection (o_proj, down; an MoE's sum over
+    its experts), the vocabulary
     embedding's all-reduce, the LM head's gather (rank 0 gets every column), and the fused
     decoder rebuilt with the all-reduce inside."""
     widths = [hi - lo for lo, hi in vocab_ranges(config.vocab_size, world)]
@@ -116,7 +117,10 @@ def parallelize(model, comm: ShmComm, config, rank: int, world: int) -> None:
     backend.mark_stored = defer
     for layer in model.layers:
         layer.o_proj.after = reduce_o
-        layer.down.after = comm.all_reduce_
+        if getattr(layer, "is_moe", False):  # one all-reduce of the sum over experts, not one per expert
+            layer.moe.after = comm.all_reduce_
+        else:
+            layer.down.after = comm.all_reduce_
 
     def gather(y: torch.Tensor) -> torch.Tensor:
         full = comm.gather_columns(y.float(), widths)

@@ -9,7 +9,11 @@ counts and tensors cut to match.
     gate_proj, up_proj (or fused gate_up_proj)   rows: the rank's share of the intermediate size
     down_proj                                    columns: the same share (row parallel)
     embed_tokens, lm_head                        rows: the rank's range of the vocabulary
-    anything else (norms, q/k norms)             whole, on every rank
+    experts.gate_up_proj [E, 2 I, H]             every expert's gate and up rows of the rank's
+                                                 share of the expert intermediate size
+    experts.down_proj [E, H, I]                  the same share of every expert's columns (the
+                                                 layer's sum over experts, then one all-reduce)
+    anything else (norms, q/k norms, the router) whole, on every rank
 
 KV heads split across ranks; with fewer KV heads than ranks, each rank keeps the one KV head
 its query heads read (replicated: ranks sharing it compute and store the same bits).
@@ -26,19 +30,26 @@ from pdserve.engine.models.config import UnsupportedModelError
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                        "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # every rank holds every expert's share
+SPLIT_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def expert_intermediate(config) -> int:
+    """An expert's intermediate size: Qwen3-MoE's ``moe_intermediate_size``, else Mixtral's ``intermediate_size``."""
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
 def check_tensor_parallel(config, architecture: str, world: int) -> None:
     """Raises UnsupportedModelError, in one line, where ``world`` ranks cannot split the model."""
     if world == 1:
         return
-    if architecture not in DENSE_ARCHITECTURES:
-        raise UnsupportedModelError(f"tensor_parallel_size {world}: pdserve splits {', '.join(DENSE_ARCHITECTURES)}, "
-                                    f"not {architecture} (mixture-of-experts and latent attention run on one rank)")
+    if architecture not in SPLIT_ARCHITECTURES:
+        raise UnsupportedModelError(f"tensor_parallel_size {world}: pdserve splits {', '.join(SPLIT_ARCHITECTURES)}, "
+                                    f"not {architecture} (latent attention runs on one rank)")
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if heads % world:
         raise UnsupportedModelError(f"tensor_parallel_size {world} does not divide the model's {heads} attention heads")
@@ -47,6 +58,9 @@ def check_tensor_parallel(config, architecture: str, world: int) -> None:
                                     f"replicate over {world} ranks")
     if config.intermediate_size % world:
         raise UnsupportedModelError(f"tensor_parallel_size {world} does not divide the model's intermediate size {config.intermediate_size}")
+    if architecture in MOE_ARCHITECTURES and expert_intermediate(config) % world:
+        raise UnsupportedModelError(f"tensor_parallel_size {world} does not divide the model's expert intermediate size "
+                                    f"{expert_intermediate(config)}")
 
 
 def vocab_ranges(vocab: int, world: int) -> list[tuple[int, int]]:
@@ -77,11 +91,14 @@ class ShardedCheckpoint(Checkpoint):
         self.heads = full.num_attention_heads // world
         self.kv_lo, self.kv_hi = kv_head_range(full, rank, world)
         self.inter = full.intermediate_size // world
+        self.expert_inter = expert_intermediate(full) // world
         self.vocab_lo, self.vocab_hi = vocab_ranges(full.vocab_size, world)[rank]
         self.full = full
         self.config = cfg = copy.deepcopy(full)
         cfg.num_attention_heads, cfg.num_key_value_heads = self.heads, self.kv_hi - self.kv_lo
         cfg.head_dim, cfg.intermediate_size = self.d, self.inter
+        if getattr(cfg, "moe_intermediate_size", None):
+            cfg.moe_intermediate_size = self.expert_inter
 
     def _q(self, t: torch.Tensor) -> torch.Tensor:  # rows of the rank's query heads
         return t[self.rank * self.heads * self.d : (self.rank + 1) * self.heads * self.d]
@@ -100,6 +117,12 @@ class ShardedCheckpoint(Checkpoint):
         return cut.contiguous() if cut is not t else t
 
     def _cut(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        share = slice(self.rank * self.expert_inter, (self.rank + 1) * self.expert_inter)
+        if name.endswith("experts.gate_up_proj"):  # [E, gate rows | up rows, H]
+            gate, up = t.chunk(2, dim=1)
+            return torch.cat([gate[:, share], up[:, share]], dim=1)
+        if name.endswith("experts.down_proj"):  # [E, H, I]
+            return t[:, :, share]
         bias = name.endswith(".bias")
         part = name.split(".")[-2] if "." in name else name  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
         if part == "q_proj":
