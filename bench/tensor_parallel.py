@@ -93,6 +93,34 @@ def measure(path: Path, dtype: str, tp: int, threads: int, prompt: int, context:
     return out
 
 
+def run(dtype: str, rounds: int = 3, prompt: int = 256, context: int = 256, steps: int = 20) -> dict:
+    """Every setting ``rounds`` times, interleaved. Returns the run as written to the JSON:
+    per-round figures, medians per setting, and the ratios (median over rounds, with range)."""
+    result = {"date": time.strftime("%Y-%m-%d"), **hardware.describe(), "cores": len(os.sched_getaffinity(0)), "dtype": dtype,
+              "shape": SHAPE, "prompt": prompt, "context": context}
+    per_round: list[dict[str, dict[str, float]]] = []
+    threads_before = torch.get_num_threads()  # measure() sets each setting's
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(Path(tmp))
+        for r in range(rounds):  # settings interleaved, so a slow spell of a shared host lands on every setting alike
+            per_round.append({})
+            for name, (tp, threads) in SETTINGS.items():
+                per_round[-1][name] = measure(Path(tmp), dtype, tp, threads, prompt, context, steps)
+                print(f"tensor parallel round {r}", name, json.dumps({k: round(v, 4) for k, v in per_round[-1][name].items()}), flush=True)
+    torch.set_num_threads(threads_before)
+    result["rounds"] = per_round
+    result["settings"] = {name: {k: statistics.median(rd[name][k] for rd in per_round) for k in per_round[0][name]} for name in SETTINGS}
+    pairs = {"decode_b1_tp2_over_tp1_t1": ("decode_b1_s", "tp1-t1"), "decode_b1_tp2_over_tp1_t2": ("decode_b1_s", "tp1-t2"),
+             "decode_b16_tp2_over_tp1_t1": ("decode_b16_s", "tp1-t1"), "decode_b16_tp2_over_tp1_t2": ("decode_b16_s", "tp1-t2"),
+             "prefill_tp2_over_tp1_t1": ("prefill_s", "tp1-t1"), "prefill_tp2_over_tp1_t2": ("prefill_s", "tp1-t2")}
+    # each ratio within one round (the settings measured minutes apart at most), then the median over rounds
+    ratios = {key: [rd["tp2"][m] / rd[base][m] for rd in per_round] for key, (m, base) in pairs.items()}
+    result["ratios"] = {key: statistics.median(v) for key, v in ratios.items()}
+    result["ratios"]["decode_b1_tp2_over_tp1_t1_target"] = 0.6
+    result["ratio_ranges"] = {key: [min(v), max(v)] for key, v in ratios.items()}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", type=int, default=256, help="prefill tokens")
@@ -101,27 +129,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of all three settings; medians over rounds")
     parser.add_argument("--out", default="bench/out/tensor_parallel.json")
     args = parser.parse_args()
-    dtype = resolve_dtype(ClusterConfig.from_dict({"model": {"dtype": "auto"}}))
-    result = {"date": time.strftime("%Y-%m-%d"), **hardware.describe(), "cores": len(os.sched_getaffinity(0)), "dtype": dtype,
-              "shape": SHAPE, "prompt": args.prompt, "context": args.context}
-    rounds: list[dict[str, dict[str, float]]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        write_checkpoint(Path(tmp))
-        for r in range(args.rounds):  # settings interleaved, so a slow spell of a shared host lands on every setting alike
-            rounds.append({})
-            for name, (tp, threads) in SETTINGS.items():
-                rounds[-1][name] = measure(Path(tmp), dtype, tp, threads, args.prompt, args.context, args.steps)
-                print(f"round {r}", name, json.dumps({k: round(v, 4) for k, v in rounds[-1][name].items()}), flush=True)
-    result["rounds"] = rounds
-    result["settings"] = {name: {k: statistics.median(rd[name][k] for rd in rounds) for k in rounds[0][name]} for name in SETTINGS}
-    pairs = {"decode_b1_tp2_over_tp1_t1": ("decode_b1_s", "tp1-t1"), "decode_b1_tp2_over_tp1_t2": ("decode_b1_s", "tp1-t2"),
-             "decode_b16_tp2_over_tp1_t1": ("decode_b16_s", "tp1-t1"), "decode_b16_tp2_over_tp1_t2": ("decode_b16_s", "tp1-t2"),
-             "prefill_tp2_over_tp1_t1": ("prefill_s", "tp1-t1"), "prefill_tp2_over_tp1_t2": ("prefill_s", "tp1-t2")}
-    # each ratio within one round (the settings measured minutes apart at most), then the median over rounds
-    result["ratios"] = {key: statistics.median(rd["tp2"][m] / rd[base][m] for rd in rounds) for key, (m, base) in pairs.items()}
-    result["ratios"]["decode_b1_tp2_over_tp1_t1_target"] = 0.6
-    result["ratio_ranges"] = {key: [min(rd["tp2"][m] / rd[base][m] for rd in rounds), max(rd["tp2"][m] / rd[base][m] for rd in rounds)]
-                              for key, (m, base) in pairs.items()}
+    result = run(resolve_dtype(ClusterConfig.from_dict({"model": {"dtype": "auto"}})), args.rounds, args.prompt, args.context, args.steps)
     print(json.dumps(result["ratios"], indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

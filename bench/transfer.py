@@ -1,7 +1,8 @@
 """KV transfer benchmark: bytes/s and latency per backend for the bundled model's KV at
 128 to 8,192 tokens, against memcpy bandwidth measured in the same run, and the share
 of TTFT that the transfer takes for a 2,048-token prompt; then how much of the grpc
-transfer layer-wise streaming hides behind prefill (bench/overlap.py).
+transfer layer-wise streaming hides behind prefill (bench/overlap.py); and the hand-off between
+pools of each pair of tensor-parallel sizes (bench/transfer_tp.py).
 
 Run: ``bash bench/run.sh transfer`` (or ``python -m bench.transfer --help``). Writes a
 table to stdout, ``bench/out/transfer.json`` and ``bench/out/transfer.png``.
@@ -31,6 +32,7 @@ import torch
 
 from bench import hardware
 from bench.overlap import measure as measure_overlap
+from bench.transfer_tp import measure_pairs, parse_pairs
 from pdserve.engine.allocator import keep_freed_memory
 
 BLOCK_SIZE = 16
@@ -183,6 +185,8 @@ def main() -> None:
     parser.add_argument("--backends", default="grpc,shm")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttft-tokens", type=int, default=2048)
+    parser.add_argument("--tp-pairs", default="1:1,1:2,2:1,2:2",
+                        help="prefill:decode tensor-parallel sizes whose hand-off is timed (bench/transfer_tp.py); '' skips")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -200,6 +204,7 @@ def main() -> None:
         if r["backend"] == "grpc" and raw_grpc:
             r["fraction_of_raw_grpc"] = r["bytes_per_s"] / raw_grpc
     overlap = measure_overlap(args.model, args.dtype, sorted({512, args.ttft_tokens}), args.repeats) if "grpc" in backends else []
+    tp_pairs = measure_pairs(parse_pairs(args.tp_pairs), backends, args.ttft_tokens, args.repeats, args.dtype) if args.tp_pairs else []
     prefill_s = prefill_seconds(args.model, args.dtype, args.ttft_tokens)
     ttft = {}
     for backend in backends:
@@ -217,7 +222,7 @@ def main() -> None:
     }
     result = {"model": args.model, "dtype": args.dtype, "memcpy_bytes_per_s": memcpy, "raw_grpcio_bytes_per_s": raw_grpc,
               "kv_bytes_per_token": spec.bytes_per_token,
-              "transfers": transfers, "ttft": ttft, "layerwise_overlap": overlap, "targets": targets}
+              "transfers": transfers, "ttft": ttft, "layerwise_overlap": overlap, "tensor_parallel_pairs": tp_pairs, "targets": targets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "transfer.json").write_text(json.dumps(result, indent=2))
