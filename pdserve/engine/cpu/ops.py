@@ -246,7 +246,7 @@ class Decoder:
         if rc == -1:
             raise ValueError("paged attention kernel: unsupported head layout")
         if rc == -3:
-            raise TimeoutError("tensor parallel: an all-reduce timed out (a peer rank died or hung)")
+            raise TimeoutError("tensor parallel: an all-reduce failed (a peer rank died or hung)")
         if rc != 0:
             raise MemoryError("decoder layers: no memory for the step's activations")
         return h, residual

@@ -2,7 +2,8 @@
  * on one node (engine/tensor_parallel/comm.py maps the segment in every rank).
  *
  * Segment layout (every rank maps the same file):
- *   [0, 64 * world)                       arrive[r]: how far rank r has come, one cache line each
+ *   [0, 64 * world)                       arrive[r]: how far rank r has come, one cache line each;
+ *                                         the 8 bytes after arrive[0]: the abort word (tp_abort)
  *   [64 * world, + 2 * (world + 1) * cap) two banks of world slots and one result area of cap
  *                                         bytes each; collective number g uses bank g % 2, so a
  *                                         rank that runs ahead into g + 1 never overwrites what a
@@ -18,7 +19,8 @@
  * the batch: each element's sum involves only that element.
  *
  * A wait spins, yields the core after a while (more ranks than cores), and gives up after
- * timeout_s: -1, a peer that died or hung; the caller raises.
+ * timeout_s (-1: a peer that hung), or at once when any rank has set the abort word (-2: rank
+ * 0 saw a peer die, or a rank saw rank 0 gone); the caller raises.
  */
 #include <sched.h>
 #include <stdint.h>
@@ -36,9 +38,14 @@ static inline char *slot(char *base, int world, int64_t cap, uint64_t g, int r) 
     return base + 64 * (int64_t)world + ((int64_t)(g % 2) * (world + 1) + r) * cap;
 }
 static inline char *result_area(char *base, int world, int64_t cap, uint64_t g) { return slot(base, world, cap, g, world); }
+static inline uint64_t *abort_word(char *base) { return (uint64_t *)(base + 8); }
 
-/* Announce `value` for rank and wait until every rank has announced at least it. 0, or -1
- * after timeout_s. Collective g ends at value 2g (an all-reduce announces 2g - 1 midway). */
+/* Make every wait of every rank on this segment, present and future, return -2. */
+void tp_abort(char *base) { __atomic_store_n(abort_word(base), 1, __ATOMIC_RELEASE); }
+
+/* Announce `value` for rank and wait until every rank has announced at least it. 0, -1 after
+ * timeout_s, or -2 once aborted. Collective g ends at value 2g (an all-reduce announces
+ * 2g - 1 midway). */
 static int wait_all(char *base, int rank, int world, uint64_t value, double timeout_s) {
     __atomic_store_n(arrive(base, rank), value, __ATOMIC_RELEASE);
     double deadline = 0;
@@ -46,6 +53,7 @@ static int wait_all(char *base, int rank, int world, uint64_t value, double time
         for (int64_t spin = 0; __atomic_load_n(arrive(base, r), __ATOMIC_ACQUIRE) < value; spin++) {
             if (spin < 2000) continue;
             sched_yield();
+            if (__atomic_load_n(abort_word(base), __ATOMIC_ACQUIRE)) return -2;
             if ((spin & 255) == 0) {
                 double t = now_s();
                 if (deadline == 0) deadline = t + timeout_s;
@@ -56,7 +64,7 @@ static int wait_all(char *base, int rank, int world, uint64_t value, double time
     return 0;
 }
 
-/* Collective g (1, 2, ...) as a barrier: every rank has reached it. 0, or -1 on timeout. */
+/* Collective g (1, 2, ...) as a barrier: every rank has reached it. 0, or wait_all's error. */
 int tp_barrier(char *base, int rank, int world, uint64_t g, double timeout_s) { return wait_all(base, rank, world, 2 * g, timeout_s); }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -105,18 +113,19 @@ static void sum_range(void *out, char *const *s, int world, int64_t lo, int64_t 
  * n * element size <= cap. Reduce-scatter then all-gather through the bank: every rank sums
  * its 1/world of the elements over all slots into the bank's result area (a 64-byte aligned
  * split), then copies the whole result out; each element's sum is the same wherever it is
- * computed. 0, or -1 on timeout. */
+ * computed. 0, or wait_all's error. */
 int tp_allreduce(char *base, int rank, int world, int64_t cap, uint64_t g, void *buf, int64_t n, int bf, double timeout_s) {
     const int64_t es = bf ? 2 : 4, align = 64 / es;
     memcpy(slot(base, world, cap, g, rank), buf, (size_t)(n * es));
-    if (wait_all(base, rank, world, 2 * g - 1, timeout_s)) return -1;
+    int rc = wait_all(base, rank, world, 2 * g - 1, timeout_s);
+    if (rc) return rc;
     char *s[64];
     for (int r = 0; r < world; r++) s[r] = slot(base, world, cap, g, r);
     char *result = result_area(base, world, cap, g);
     const int64_t per = (n / world + align - 1) / align * align;
     const int64_t lo = rank * per < n ? rank * per : n, hi = lo + per < n ? lo + per : n;
     sum_range(result, s, world, lo, hi, bf);
-    if (wait_all(base, rank, world, 2 * g, timeout_s)) return -1;
+    if ((rc = wait_all(base, rank, world, 2 * g, timeout_s))) return rc;
     memcpy(buf, result, (size_t)(n * es));
     return 0;
 }

@@ -20,7 +20,8 @@ from pdserve.engine import cpu
 from pdserve.engine.kv_cache import map_shared_file
 
 HEADER_BYTES = 64  # one cache line of arrival count per rank
-TIMEOUT_S = 120.0  # longest a rank waits at a collective for its peers (a prefill layer of 2,048 tokens takes < 1 s)
+TIMEOUT_S = 120.0  # longest a rank waits at a collective for a peer that hangs (one that dies aborts the wait at once;
+#                   a prefill layer of 2,048 tokens takes < 1 s)
 
 
 class TPContext(ctypes.Structure):
@@ -64,13 +65,21 @@ class ShmComm:
         return ctypes.cast(self.lib.tp_ctx_allreduce, ctypes.c_void_p).value, ctypes.addressof(self.ctx)
 
     def _check(self, rc: int, what: str) -> None:
+        if rc == -2:
+            raise RuntimeError(f"tensor parallel rank {self.rank}: {what} aborted (a peer rank died)")
         if rc != 0:
             raise TimeoutError(f"tensor parallel rank {self.rank}: {what} timed out after {self.ctx.timeout_s:.0f} s "
-                               f"(a peer rank died or hung)")
+                               f"(a peer rank hung)")
+
+    def abort(self) -> None:
+        """End every wait of every rank on this segment, now and later (a collective then
+        raises RuntimeError): rank 0 calls it when a peer dies, a rank when rank 0 is gone."""
+        self.lib.tp_abort(self.ctx.base)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """x: contiguous, in the group's dtype, this rank's partial sum in and the sum over all
-        ranks out (the same bits on every rank). Returns x. Raises TimeoutError."""
+        ranks out (the same bits on every rank). Returns x. Raises TimeoutError (a peer hung),
+        RuntimeError (aborted)."""
         if x.dtype != self.dtype or not x.is_contiguous() or x.numel() * x.element_size() > self.cap:
             raise ValueError(f"all-reduce of {tuple(x.shape)} {x.dtype}: needs contiguous {self.dtype} of at most {self.cap} bytes")
         self._check(self.lib.tp_ctx_allreduce(ctypes.addressof(self.ctx), x.data_ptr(), x.numel()), "all-reduce")

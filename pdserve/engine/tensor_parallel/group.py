@@ -16,8 +16,10 @@ sees the whole pool, so the KV hand-off, block copies and checksums see whole he
 same bytes as at any other tensor-parallel size. A prefill at TP=p hands off to a decode at
 TP=d for any p and d without a layout of its own.
 
-A rank that dies leaves its peers waiting at the next collective: it times out (comm.py
-TIMEOUT_S) and the step raises; ``check`` says at once, for the health check.
+A rank that dies is seen at once: rank 0 waits on each child in a thread and aborts the
+collectives (comm.py ``abort``), so a step in flight raises instead of waiting out
+TIMEOUT_S, and ``check`` names the rank for the health check. A rank whose rank 0 is gone
+(reparented) aborts them too and exits.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from multiprocessing.connection import Connection
 
@@ -175,6 +178,14 @@ def worker_main(conn, rank: int) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", os.getpid()))
+    parent = os.getppid()
+
+    def watch_parent() -> None:  # rank 0 gone mid-collective: end the wait now, not after TIMEOUT_S
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        comm.abort()
+
+    threading.Thread(target=watch_parent, name=f"tp-rank{rank}-parent", daemon=True).start()
     while True:
         try:
             msg = conn.recv_bytes()
@@ -211,6 +222,7 @@ class TPGroup:
         share. Raises RuntimeError naming the rank that failed, TimeoutError."""
         self.plan, self.comm = plan, comm
         self._lock = threading.Lock()  # check() from the engine, event-loop and health-check threads
+        self._closing = False
         self.procs, self.conns = [], []
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for rank in range(1, plan.world):  # a fresh interpreter each (no fork of a threaded process, no re-run of __main__)
@@ -232,6 +244,15 @@ class TPGroup:
         except BaseException:
             self.close()
             raise
+        for rank, proc in enumerate(self.procs, 1):
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-rank{rank}", daemon=True).start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        """A rank that exits before close() aborts every rank's collectives."""
+        proc.wait()
+        if not self._closing:
+            log.error("tensor parallel rank %d (pid %d) died with exit code %s", rank, proc.pid, proc.returncode)
+            self.comm.abort()
 
     def broadcast(self, meta) -> None:
         """Send one step's metadata to ranks 1 .. n-1 (before rank 0 runs it). Raises
@@ -262,6 +283,7 @@ class TPGroup:
 
     def close(self) -> None:
         """Stop the ranks (each within 10 s, else killed)."""
+        self._closing = True
         for conn in self.conns:
             try:
                 conn.send_bytes(b"close")
