@@ -18,6 +18,7 @@ import asyncio
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from bench import hardware
@@ -98,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = measure_pairs(parse_pairs(args.tp_pairs), args.backends.split(","), args.tokens, args.repeats, args.dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({**hardware.describe(), "pairs": rows}, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **hardware.describe(), "dtype": args.dtype, "pairs": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -141,8 +141,8 @@ class PoolConfig:
     # num_cpus lets a prefill replica borrow an idle decode core (oversubscribed when both run)
     num_threads: int | None = None
     # ranks that split each replica's model (heads and feed-forward; pdserve/engine/tensor_parallel):
-    # rank 0 is the replica, the others its child processes on its node; the replica's
-    # placement group holds ray_actor_options' resources once per rank (STRICT_PACK), and
+    # rank 0 is the replica, the others Ray actors in its placement group (one node); the
+    # group holds ray_actor_options' resources once per rank (STRICT_PACK), and
     # each rank runs num_threads threads; CPU pools of dense models
     tensor_parallel_size: int = 1
     # niceness of the engine's thread (Linux; its kernel threads inherit it): a decode pool at

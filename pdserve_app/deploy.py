@@ -44,7 +44,7 @@ def _pool_options(name: str, pool: PoolConfig) -> dict:
 def _rank_bundles(pool: PoolConfig) -> dict:
     """A tensor-parallel replica's placement group: one bundle of the pool's actor resources
     per rank, all on one node (STRICT_PACK). Rank 0, the replica's actor, takes the first;
-    ranks 1 .. n-1 are its child processes, on the CPUs the others hold. Empty at TP=1."""
+    ranks 1 .. n-1 are actors it starts in the others (tensor_parallel/launch.py). Empty at TP=1."""
     if pool.tensor_parallel_size == 1:
         return {}
     actor = pool.ray_actor_options

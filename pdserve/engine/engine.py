@@ -57,8 +57,8 @@ class EngineConfig:
     # padding scratch). None = on where the model is on a GPU and ``optimize`` is on. True on
     # the CPU runs the same padded static-shape steps eagerly (what the CPU tests check).
     cuda_graphs: bool | None = None
-    # ranks that split the model's heads and feed-forward (tensor_parallel/): rank 0 here,
-    # the others child processes on this node, each with the same torch threads; CPU only
+    # ranks that split the model's heads and feed-forward (tensor_parallel/): rank 0 here, the
+    # others Ray actors in this actor's placement group, else child processes; one node, CPU only
     tensor_parallel_size: int = 1
 
 

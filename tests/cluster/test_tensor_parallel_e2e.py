@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 
 GRPC_PORT, HTTP_PORT = 9220, 8220
 PROMPTS = [[1, *range(100 + 3 * n, 100 + 4 * n)] for n in (5, 31, 40)]
-RANK_MODULE = "pdserve.engine.tensor_parallel.rank"
+RANK_PROCESS = "ray::TPRankActor"  # a rank > 0 is a Ray actor in the replica's placement group
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def setup(tmp_path_factory, real_model_dir):
 
 
 def rank_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", RANK_MODULE], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", RANK_PROCESS], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
 

@@ -159,8 +159,8 @@ def test_a_killed_rank_fails_the_step_and_the_health_check_by_name():
     try:
         assert greedy(eng, PROMPTS[:1], 2)
         eng.check_health()
-        os.kill(eng.tp.procs[0].pid, signal.SIGKILL)
-        eng.tp.procs[0].wait(10)
+        os.kill(eng.tp.ranks[0].pid, signal.SIGKILL)
+        eng.tp.ranks[0].proc.wait(10)
         with pytest.raises(RuntimeError, match="tensor parallel rank 1 .* died"):
             eng.check_health()
         seq = Sequence("after", list(PROMPTS[2]), len(PROMPTS[2]), SamplingParams(max_tokens=2))
@@ -191,7 +191,7 @@ def test_a_rank_that_dies_mid_collective_aborts_rank_0s_wait_at_once():
     try:
         waiter = threading.Thread(target=wait_in_collective)
         waiter.start()
-        os.kill(eng.tp.procs[0].pid, signal.SIGKILL)
+        os.kill(eng.tp.ranks[0].pid, signal.SIGKILL)
         waiter.join(60)  # a DEADLINE against a hang: the abort ends it at once, a timeout would take 120 s
         assert not waiter.is_alive()
         assert len(failed) == 1 and isinstance(failed[0], RuntimeError) and "aborted (a peer rank died)" in str(failed[0])

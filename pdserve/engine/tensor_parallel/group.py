@@ -1,6 +1,7 @@
 """TPGroup: an engine's tensor-parallel ranks on one node. Rank 0 is the engine's own process
-(scheduler, sampler, KV hand-off); ranks 1 .. n-1 are child processes that each hold a
-share of the weights (shard.py) and run the same forward on every step.
+(scheduler, sampler, KV hand-off); ranks 1 .. n-1 are Ray actors in the replica's placement
+group, or child processes outside Ray (launch.py). Each holds a share of the weights
+(shard.py) and runs the same forward on every step.
 
     rank 0                                 rank r > 0 (worker_main)
     meta = backend.prepare(batch)
@@ -16,10 +17,10 @@ sees the whole pool, so the KV hand-off, block copies and checksums see whole he
 same bytes as at any other tensor-parallel size. A prefill at TP=p hands off to a decode at
 TP=d for any p and d without a layout of its own.
 
-A rank that dies is seen at once: rank 0 waits on each child in a thread and aborts the
+A rank that dies is seen at once: rank 0 waits on each rank in a thread and aborts the
 collectives (comm.py ``abort``), so a step in flight raises instead of waiting out
 TIMEOUT_S, and ``check`` names the rank for the health check. A rank whose rank 0 is gone
-(reparented) aborts them too and exits.
+aborts them too and exits.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ import dataclasses
 import logging
 import os
 import pickle
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -42,6 +40,7 @@ from pdserve.engine import backends
 from pdserve.engine.allocator import keep_freed_memory
 from pdserve.engine.backends.base import StepMetadata
 from pdserve.engine.kv_cache import PagedKVCache, PoolMemory, map_pool_file
+from pdserve.engine.tensor_parallel import launch
 from pdserve.engine.tensor_parallel.comm import ShmComm
 from pdserve.engine.tensor_parallel.shard import ShardedCheckpoint, kv_head_range, vocab_ranges
 from pdserve.kv_layout import KVSpec
@@ -164,9 +163,10 @@ def build_rank(plan: RankPlan, rank: int, comm: ShmComm, pool: tuple[torch.Tenso
     return model
 
 
-def worker_main(conn, rank: int) -> None:
+def worker_main(conn, rank: int, rank0_pid: int | None = None) -> None:
     """A rank > 0: read its plan, build its share, say "ready", then run every step rank 0
-    sends until it says "close" or its pipe ends (rank 0 gone)."""
+    sends until it says "close" or its pipe ends. ``rank0_pid``: rank 0's process where it is
+    not this one's parent (an actor); a rank 0 that is gone aborts the collectives."""
     try:
         plan = pickle.loads(conn.recv_bytes())
         torch.set_num_threads(plan.num_threads)
@@ -181,7 +181,7 @@ def worker_main(conn, rank: int) -> None:
     parent = os.getppid()
 
     def watch_parent() -> None:  # rank 0 gone mid-collective: end the wait now, not after TIMEOUT_S
-        while os.getppid() == parent:
+        while os.getppid() == parent and (rank0_pid is None or pid_alive(rank0_pid)):
             time.sleep(0.5)
         comm.abort()
 
@@ -203,6 +203,16 @@ def worker_main(conn, rank: int) -> None:
             return
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def pack_meta(meta: StepMetadata) -> bytes:
     """A step's metadata as bytes for the other ranks: tensors as numpy arrays (a tenth of
     pickling torch tensors), layer-wise streaming's progress left out (rank 0 marks it)."""
@@ -218,40 +228,48 @@ def unpack_meta(data: bytes) -> StepMetadata:
 
 class TPGroup:
     def __init__(self, plan: RankPlan, comm: ShmComm):
-        """Start ranks 1 .. world-1 (child processes) and wait until each has loaded its
-        share. Raises RuntimeError naming the rank that failed, TimeoutError."""
+        """Start ranks 1 .. world-1 (launch.py: actors in the placement group rank 0 runs in,
+        else child processes) and wait until each has loaded its share. Raises RuntimeError
+        naming the rank that failed, TimeoutError."""
         self.plan, self.comm = plan, comm
         self._lock = threading.Lock()  # check() from the engine, event-loop and health-check threads
         self._closing = False
-        self.procs, self.conns = [], []
+        self.ranks: list = []
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank in range(1, plan.world):  # a fresh interpreter each (no fork of a threaded process, no re-run of __main__)
-            ours, theirs = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.tensor_parallel.rank", str(theirs.fileno()), str(rank)],
-                                    pass_fds=(theirs.fileno(),))
-            theirs.close()
-            conn = Connection(ours.detach())
-            self.procs.append(proc)
-            self.conns.append(conn)
-            conn.send_bytes(data)
         try:
-            for rank, conn in enumerate(self.conns, 1):
-                if not conn.poll(START_TIMEOUT_S):
+            pg = launch.current_placement_group(plan.world)
+            if pg is not None:
+                self.ranks = launch.start_actors(pg, plan.world, START_TIMEOUT_S)
+            else:
+                for rank in range(1, plan.world):
+                    self.ranks.append(launch.ChildRank(rank))
+            for r in self.ranks:
+                r.conn.send_bytes(data)
+            for rank, r in enumerate(self.ranks, 1):
+                if not r.conn.poll(START_TIMEOUT_S):
                     raise TimeoutError(f"tensor parallel rank {rank} did not load in {START_TIMEOUT_S:.0f} s")
-                what, detail = conn.recv()
+                what, detail = r.conn.recv()
                 if what != "ready":
                     raise RuntimeError(f"tensor parallel rank {rank} failed to start: {detail}")
+                r.pid = detail
         except BaseException:
             self.close()
             raise
-        for rank, proc in enumerate(self.procs, 1):
-            threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-rank{rank}", daemon=True).start()
+        log.info("tensor parallel: %d ranks, %s (pids %s)", plan.world, "Ray actors in the placement group" if pg is not None else
+                 "child processes", [r.pid for r in self.ranks])
+        for rank, r in enumerate(self.ranks, 1):
+            threading.Thread(target=self._watch, args=(rank, r), name=f"tp-watch-rank{rank}", daemon=True).start()
 
-    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        """A rank that exits before close() aborts every rank's collectives."""
-        proc.wait()
+    @property
+    def pids(self) -> list[int]:
+        """Ranks 1 .. n-1's process ids."""
+        return [r.pid for r in self.ranks]
+
+    def _watch(self, rank: int, r) -> None:
+        """A rank that ends before close() aborts every rank's collectives."""
+        how = r.wait()
         if not self._closing:
-            log.error("tensor parallel rank %d (pid %d) died with exit code %s", rank, proc.pid, proc.returncode)
+            log.error("tensor parallel rank %d (pid %s) %s", rank, r.pid, how)
             self.comm.abort()
 
     def broadcast(self, meta) -> None:
@@ -259,9 +277,9 @@ class TPGroup:
         RuntimeError where a rank is gone."""
         self.check()
         data = pack_meta(meta)
-        for rank, conn in enumerate(self.conns, 1):
+        for rank, r in enumerate(self.ranks, 1):
             try:
-                conn.send_bytes(data)
+                r.conn.send_bytes(data)
             except OSError as e:
                 raise RuntimeError(f"tensor parallel rank {rank} is gone: {e}") from e
 
@@ -271,33 +289,28 @@ class TPGroup:
             self._check()
 
     def _check(self) -> None:
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
-            if proc.poll() is not None:
-                raise RuntimeError(f"tensor parallel rank {rank} (pid {proc.pid}) died with exit code {proc.returncode}")
-            if conn.poll():
+        for rank, r in enumerate(self.ranks, 1):
+            if (how := r.exited()) is not None:
+                raise RuntimeError(f"tensor parallel rank {rank} (pid {r.pid}) {how}")
+            if r.conn.poll():
                 try:
-                    _, detail = conn.recv()
+                    _, detail = r.conn.recv()
                 except (EOFError, OSError):
-                    detail = "its pipe closed"
+                    detail = "its connection closed"
                 raise RuntimeError(f"tensor parallel rank {rank}: {detail}")
 
     def close(self) -> None:
         """Stop the ranks (each within 10 s, else killed)."""
         self._closing = True
-        for conn in self.conns:
+        for r in self.ranks:
             try:
-                conn.send_bytes(b"close")
+                r.conn.send_bytes(b"close")
             except OSError:
                 pass
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        for conn in self.conns:
-            conn.close()
-        self.procs, self.conns = [], []
+        for r in self.ranks:
+            r.stop(10)
+            r.conn.close()
+        self.ranks = []
 
 
 def start(checkpoint, kv_cache: PagedKVCache, world: int, backend: str, num_threads: int, max_positions: int, max_tokens: int,

@@ -1,0 +1,184 @@
+"""How a replica starts its tensor-parallel ranks 1 .. n-1, and how it sees one die.
+
+- **Ray actors** when rank 0 runs in a Ray placement group of at least n bundles (a Serve
+  replica of a pool with ``tensor_parallel_size: n``, deploy.py): rank r is a ``TPRankActor``
+  in bundle r, holding that bundle's resources. STRICT_PACK puts every bundle on rank 0's
+  node, so the ranks meet over a Unix socket in the abstract namespace and share memory.
+  Ray fate-shares the actors with rank 0, their owner.
+- **Child processes** otherwise (an engine outside Ray: benchmarks, tests, ``pdserve``'s
+  local tools): ``python -m pdserve.engine.tensor_parallel.rank FD RANK`` over a socket pair.
+
+Either way a rank is a connection (multiprocessing.connection.Connection) and a handle
+(``pid``, ``exited()``, ``wait()``, ``stop()``), and runs group.worker_main.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from multiprocessing.connection import Connection
+
+POLL_S = 0.5  # how often a waiting rank 0 looks at its actors while they start
+
+
+class ChildRank:
+    """Rank ``rank`` as a child process of rank 0."""
+
+    def __init__(self, rank: int):
+        ours, theirs = socket.socketpair()
+        # a fresh interpreter (no fork of a threaded process, no re-run of __main__)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.tensor_parallel.rank", str(theirs.fileno()), str(rank)],
+                                     pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.pid = self.proc.pid
+
+    def exited(self) -> str | None:
+        """None while it runs, else how it ended."""
+        code = self.proc.poll()
+        return None if code is None else f"died with exit code {code}"
+
+    def wait(self) -> str:
+        """Blocks until it ends; how it ended."""
+        return f"died with exit code {self.proc.wait()}"
+
+    def stop(self, timeout_s: float) -> None:
+        """After "close": wait ``timeout_s``, then kill."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class TPRankActor:
+    """A rank > 0 as a Ray actor (``ray.remote`` is applied by ActorRanks, so this module
+    imports without Ray)."""
+
+    def run(self, address: bytes, token: bytes, rank: int, rank0_pid: int) -> None:
+        """Connect to rank 0, prove ``token``, then serve as rank ``rank`` until closed."""
+        import logging
+
+        from pdserve.engine.tensor_parallel.group import worker_main
+
+        logging.basicConfig(level=logging.INFO)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(60)
+        sock.connect(address)
+        sock.settimeout(None)
+        conn = Connection(sock.detach())
+        conn.send_bytes(token + rank.to_bytes(2, "little"))
+        worker_main(conn, rank, rank0_pid)
+
+
+class ActorRank:
+    """Rank ``rank`` as a running TPRankActor: its actor, its run() call and its connection."""
+
+    def __init__(self, actor, ref):
+        self.actor, self.ref = actor, ref
+        self.conn: Connection | None = None
+        self.pid: int | None = None
+
+    def exited(self) -> str | None:
+        import ray
+
+        done, _ = ray.wait([self.ref], timeout=0)
+        return self._how() if done else None
+
+    def wait(self) -> str:
+        import ray
+
+        ray.wait([self.ref], timeout=None)
+        return self._how()
+
+    def _how(self) -> str:
+        import ray
+
+        try:
+            ray.get(self.ref, timeout=0)
+            return "actor ended"
+        except Exception as e:  # noqa: BLE001 - RayActorError, RayTaskError: how it ended
+            return f"actor died: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def stop(self, timeout_s: float) -> None:
+        import ray
+
+        done, _ = ray.wait([self.ref], timeout=timeout_s)
+        if not done:
+            ray.kill(self.actor)
+
+
+def current_placement_group(world: int):
+    """The Ray placement group rank 0 runs in, if it has a bundle for each of ``world`` ranks;
+    else None. Never imports or starts Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    from ray.util.placement_group import get_current_placement_group
+
+    pg = get_current_placement_group()
+    return pg if pg is not None and len(pg.bundle_specs) >= world else None
+
+
+def start_actors(pg, world: int, timeout_s: float) -> list[ActorRank]:
+    """Ranks 1 .. world-1 as actors in bundles 1 .. world-1 of ``pg``, each connected. Raises
+    RuntimeError naming a rank whose actor failed, TimeoutError."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    address = f"\0pdserve-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
+    token = secrets.token_bytes(32)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(address)
+    server.listen(world)
+    server.settimeout(POLL_S)
+    remote = ray.remote(TPRankActor)
+    ranks: dict[int, ActorRank] = {}
+    try:
+        for rank in range(1, world):
+            bundle = dict(pg.bundle_specs[rank])
+            actor = remote.options(num_cpus=bundle.pop("CPU", 0), num_gpus=bundle.pop("GPU", 0), memory=bundle.pop("memory", None),
+                                   resources=bundle, name=None, max_restarts=0, max_concurrency=1,
+                                   scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)).remote()
+            ranks[rank] = ActorRank(actor, actor.run.remote(address, token, rank, os.getpid()))
+        deadline = time.monotonic() + timeout_s
+        while any(r.conn is None for r in ranks.values()):
+            for rank, r in ranks.items():
+                if r.conn is None and (how := r.exited()):
+                    raise RuntimeError(f"tensor parallel rank {rank} failed to start: {how}")
+            if time.monotonic() > deadline:
+                waiting = [rank for rank, r in ranks.items() if r.conn is None]
+                raise TimeoutError(f"tensor parallel ranks {waiting} did not connect in {timeout_s:.0f} s (placement group bundles free?)")
+            try:
+                sock, _ = server.accept()
+            except socket.timeout:
+                continue
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            if not conn.poll(10):
+                conn.close()
+                continue
+            try:
+                hello = conn.recv_bytes(maxlength=64)
+            except (OSError, EOFError):
+                hello = b""
+            rank = int.from_bytes(hello[32:], "little")
+            if len(hello) != 34 or not hmac.compare_digest(hello[:32], token) or rank not in ranks or ranks[rank].conn is not None:
+                conn.close()  # not one of ours
+                continue
+            ranks[rank].conn = conn
+    except BaseException:
+        for r in ranks.values():
+            ray.kill(r.actor)
+            if r.conn is not None:
+                r.conn.close()
+        raise
+    finally:
+        server.close()
+    return [ranks[rank] for rank in range(1, world)]
