@@ -32,7 +32,6 @@ import pickle
 import threading
 import time
 import uuid
-from multiprocessing.connection import Connection
 
 import torch
 
