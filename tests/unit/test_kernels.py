@@ -64,7 +64,8 @@ def test_every_thread_count_gives_the_same_bits(dtype):
     row ops and attention (split by query blocks) on 1-4 threads, threads taking chunks in
     whatever order they come: each output is computed by one thread in one fixed order, so
     the bits never change. Shapes with few panels (576 outputs: 9) and many rows take the
-    row split; 1 and 5 rows do not."""
+    row split; 1 and 5 rows do not. On AMX, 300 and 601 rows split into small row chunks (the
+    weight fits a core's L2) and 1,100 rows into whole ones."""
     require_kernels(*ops.KERNELS)
     g = torch.Generator().manual_seed(3)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
@@ -74,7 +75,7 @@ def test_every_thread_count_gives_the_same_bits(dtype):
     k_cache, v_cache = rnd(kv_heads, 40 * bs, D), rnd(kv_heads, 40 * bs, D)
     table = torch.randperm(40, generator=g).to(torch.int32)[None]
     cos, sin = torch.rand(600, D, generator=g), torch.rand(600, D, generator=g)
-    for rows in (1, 5, 300, 601):
+    for rows in (1, 5, 300, 601, 1100):
         x, res, gu = rnd(rows, 200), rnd(rows, 576), rnd(rows, 2 * 576)
         q = rnd(rows, heads, D)
         pos = torch.arange(rows) if rows <= 600 else torch.arange(rows) % 600
