@@ -9,6 +9,7 @@
  *   s = S^T * scale, masked to keys <= the row's position (lane n's own)
  *   mt = max_j s_j; mn = max(m, mt); alpha = exp(m - mn) where m moves (else 1); m = mn
  *   e_j = exp(s_j - mn); l = l * alpha + tree_j e_j   (the tree: j + 16, + 8, + 4, + 2, + 1)
+ *                                     exp is amx_exp (ten vector ops, ~2e-7 relative)
  *   P = bf16(e) (VCVTNE2PS2BF16); O = O * alpha + P V  (TDPBF16PS, V pairs interleaved once
  *                                                       per tile for every chunk)
  * FlashAttention's recurrence (Dao et al. 2022, sec. 3.1) with bf16 probabilities, as its
@@ -55,6 +56,25 @@ static amx_attn_work amx_attn_carve(char *mem, int64_t rows, int64_t D) {
     return w;
 }
 
+/* exp(x) for x <= 0 (every exponent here is a score less the running max): 2^t with
+ * t = x log2(e) split as n + f, |f| <= 1/2, 2^f from Cephes' exp2f polynomial (relative
+ * error ~2e-7, below the bf16 rounding of the probabilities), scaled by 2^n with VSCALEFPS,
+ * which also takes t far below the float range to 0. Ten vector ops against simd.h vexp's
+ * twenty; a function of x only, so a row's bits stay its own. */
+static inline __m512 amx_exp(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 y = _mm512_set1_ps(1.535336188319500e-4f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.339887440266574e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.618437357674640e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550332471162809e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402264791363012e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931472028550421e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
 /* l's share of a tile: sum over j < 32 of e[j] in a fixed tree (j + 16, then + 8, + 4, + 2, + 1). */
 static inline __m512 tile_sum32(__m512 e[AT]) {
     for (int w = AT / 2; w >= 1; w /= 2)
@@ -64,21 +84,29 @@ static inline __m512 tile_sum32(__m512 e[AT]) {
 
 /* One tile's softmax step for a chunk, a lane per row: st = S^T [AT keys][16 lanes]; pos:
  * each lane's position (-1: no row); m, l: the lanes' running max and sum, updated. Writes
- * P [16 rows][AT] bf16 (the A tile of P V) and alpha[16], the factor on the rows' O. */
-static inline void softmax_lanes(const float *st, __m512i pos, int64_t j0, float scale, float *m, float *l, uint16_t *p, float *alpha) {
+ * P [16 rows][AT] bf16 (the A tile of P V) and alpha[16], the factor on the rows' O.
+ * full: every row of the chunk sees every key of the tile, so no key is masked (the lanes
+ * without a row then compute on zero queries, and nothing reads them); the ops a mask would
+ * leave alone are the same, so the bits too. */
+static inline void softmax_lanes(const float *st, __m512i pos, int64_t j0, float scale, float *m, float *l, uint16_t *p, float *alpha,
+                                 int full) {
     __m512 s[AT], mt = _mm512_set1_ps(-INFINITY), mo = _mm512_loadu_ps(m);
     __mmask16 valid[AT];
     for (int j = 0; j < AT; j++) {
-        valid[j] = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int32_t)(j0 + j)), pos);
-        s[j] = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_loadu_ps(st + 16 * j), _mm512_set1_ps(scale)));
+        valid[j] = full ? (__mmask16)0xffff : _mm512_cmple_epi32_mask(_mm512_set1_epi32((int32_t)(j0 + j)), pos);
+        s[j] = _mm512_mul_ps(_mm512_loadu_ps(st + 16 * j), _mm512_set1_ps(scale));
+        if (!full) s[j] = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), s[j]);
         mt = _mm512_max_ps(mt, s[j]);
     }
     __m512 mn = _mm512_max_ps(mo, mt);
     __mmask16 moves = _mm512_cmp_ps_mask(mo, mn, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(mo, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-    __m512 al = _mm512_mask_blend_ps(moves, _mm512_set1_ps(1.0f), vexp(_mm512_maskz_sub_ps(moves, mo, mn)));
+    __m512 al = _mm512_mask_blend_ps(moves, _mm512_set1_ps(1.0f), amx_exp(_mm512_maskz_sub_ps(moves, mo, mn)));
     __mmask16 live = _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); /* lanes with keys so far */
     _mm512_storeu_ps(m, _mm512_mask_mov_ps(mo, live, mn));
-    for (int j = 0; j < AT; j++) s[j] = _mm512_maskz_mov_ps(valid[j], vexp(_mm512_maskz_sub_ps(valid[j], s[j], mn)));
+    if (full)
+        for (int j = 0; j < AT; j++) s[j] = amx_exp(_mm512_sub_ps(s[j], mn));
+    else
+        for (int j = 0; j < AT; j++) s[j] = _mm512_maskz_mov_ps(valid[j], amx_exp(_mm512_maskz_sub_ps(valid[j], s[j], mn)));
     /* P: pairs of keys as dwords (lane n: e_2i[n], e_2i+1[n]), then a 16 x 16 dword transpose */
     const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006, 0x00170007,
                                                  0x00180008, 0x00190009, 0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
@@ -105,10 +133,10 @@ static inline void softmax_rows(const float *st, const int32_t *lp, int rows, in
         __m512 s0 = _mm512_mask_blend_ps(v0, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_i32gather_ps(col, st + n, 4), _mm512_set1_ps(scale)));
         __m512 s1 = _mm512_mask_blend_ps(v1, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_i32gather_ps(col, st + 16 * 16 + n, 4), _mm512_set1_ps(scale)));
         float mt = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), mo = m[n], mn = mo > mt ? mo : mt;
-        float al = mo != mn && mo != -INFINITY ? _mm512_cvtss_f32(vexp(_mm512_set1_ps(mo - mn))) : 1.0f;
+        float al = mo != mn && mo != -INFINITY ? _mm512_cvtss_f32(amx_exp(_mm512_set1_ps(mo - mn))) : 1.0f;
         if (mn != -INFINITY) m[n] = mn;
-        __m512 e0 = _mm512_maskz_mov_ps(v0, vexp(_mm512_maskz_sub_ps(v0, s0, _mm512_set1_ps(mn))));
-        __m512 e1 = _mm512_maskz_mov_ps(v1, vexp(_mm512_maskz_sub_ps(v1, s1, _mm512_set1_ps(mn))));
+        __m512 e0 = _mm512_maskz_mov_ps(v0, amx_exp(_mm512_maskz_sub_ps(v0, s0, _mm512_set1_ps(mn))));
+        __m512 e1 = _mm512_maskz_mov_ps(v1, amx_exp(_mm512_maskz_sub_ps(v1, s1, _mm512_set1_ps(mn))));
         _mm512_storeu_si512(p + AT * n, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         l[n] = l[n] * al + vsum(_mm512_add_ps(e0, e1));
         alpha[n] = al;
@@ -122,11 +150,13 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
     __m512i pos[MAX_GROUP * QB / 16]; /* each lane's position; -1 for lanes past R */
     float m[MAX_GROUP * QB], l[MAX_GROUP * QB]; /* each row's running max and sum */
     int64_t chunk_last[MAX_GROUP * QB / 16]; /* the largest position in the chunk */
+    int64_t chunk_first[MAX_GROUP * QB / 16]; /* the smallest position of a row in the chunk */
     /* queries as B tiles: dword (i, n) of d-chunk dk is row n's dword 16 dk + i (a pair of d) */
     memset(w->qt, 0, (size_t)(chunks * D * 16 * 2));
     for (int64_t c = 0; c < chunks; c++) {
         int32_t lane_pos[16];
         chunk_last[c] = -1;
+        chunk_first[c] = INT64_MAX;
         for (int n = 0; n < 16; n++) {
             int64_t r = 16 * c + n;
             lane_pos[n] = -1;
@@ -137,6 +167,7 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
             for (int64_t i = 0; i < D / 2; i++) qt[(i / 16) * 256 + (i % 16) * 16 + n] = qr[i];
             lane_pos[n] = (int32_t)a->positions[t];
             chunk_last[c] = a->positions[t];
+            if (a->positions[t] < chunk_first[c]) chunk_first[c] = a->positions[t];
         }
         pos[c] = _mm512_loadu_si512(lane_pos);
         for (int n = 0; n < 16; n++) m[16 * c + n] = -INFINITY, l[16 * c + n] = 0.0f;
@@ -230,7 +261,8 @@ static void attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t 
             _mm512_storeu_si512(lp, pos[c]);
             int rows = R - 16 * c < 16 ? (int)(R - 16 * c) : 16;
             if (rows <= 4) softmax_rows(w->st, lp, rows, j0, a->scale, m + 16 * c, l + 16 * c, w->p, alpha);
-            else softmax_lanes(w->st, pos[c], j0, a->scale, m + 16 * c, l + 16 * c, w->p, alpha);
+            else if (chunk_first[c] >= j0 + AT - 1) softmax_lanes(w->st, pos[c], j0, a->scale, m + 16 * c, l + 16 * c, w->p, alpha, 1);
+            else softmax_lanes(w->st, pos[c], j0, a->scale, m + 16 * c, l + 16 * c, w->p, alpha, 0);
             /* O = O * alpha + P V, d-chunk by d-chunk */
             amx_load(5, w->p, 64);
             for (int64_t dc = 0; dc < D / 16; dc += 4) { /* four independent C tiles (0-3) at a time */
