@@ -362,6 +362,15 @@ def test_paged_attention_kernel_matches_sdpa_and_is_row_invariant(dtype, heads, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("bs", [16, 5])
+def test_paged_attention_kernel_is_exact_and_row_invariant_when_the_max_grows_along_the_context(dtype, heads, kv_heads, head_dim, bs):
+    """As above with keys of very different sizes: a row's max moves by tens of units as its
+    keys go by, so the softmax's rescaling runs (lazily, on the AMX path: only past a margin)."""
+    check_paged_attention(dtype, heads, kv_heads, head_dim, bs, spread=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 3, 24), (8, 8, 16)])
 @pytest.mark.parametrize("window,softcap", [(37, None), (16, None), (1, None), (None, 2.0), (100, 30.0)])
 def test_paged_attention_kernel_with_a_window_or_soft_cap_matches_the_reference_and_is_row_invariant(dtype, heads, kv_heads, head_dim,
@@ -374,13 +383,16 @@ def test_paged_attention_kernel_with_a_window_or_soft_cap_matches_the_reference_
     check_paged_attention(dtype, heads, kv_heads, head_dim, 5, window, softcap)
 
 
-def check_paged_attention(dtype, heads, kv_heads, head_dim, bs, window=None, softcap=None):
+def check_paged_attention(dtype, heads, kv_heads, head_dim, bs, window=None, softcap=None, spread=False):
+    """spread: keys scaled 1-12x at random, so a row's running max grows by tens along its
+    context (the AMX path's lazy rescaling of O)."""
     ops = _kernels_or_skip()
     torch.manual_seed(0)
     ctx = [1, 17, 1100, 40]
     new = [1, 5, 1, 40]  # decode rows, a chunk after cached tokens, a whole prompt
     num_blocks = sum(-(-n // bs) for n in ctx) + 3
-    k = torch.randn(kv_heads, num_blocks * bs, head_dim).to(dtype)
+    k = torch.randn(kv_heads, num_blocks * bs, head_dim)
+    k = (k * (1 + 11 * torch.rand(1, num_blocks * bs, 1)) if spread else k).to(dtype)
     v = torch.randn(kv_heads, num_blocks * bs, head_dim).to(dtype)
     perm, tables, max_blocks = torch.randperm(num_blocks).tolist(), [], max(-(-n // bs) for n in ctx)
     for n in ctx:

@@ -494,12 +494,15 @@ static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
     amx_attn_work w = amx_attn_carve(mem, QB * (a->heads / a->kv_heads), a->D);
     const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     amx_configure(rows);
-    for (int64_t i = begin; i < end; i++) {
+    int ok = 1;
+    for (int64_t i = begin; i < end && ok; i++) {
         int64_t unit = unit_at(a, i), b = unit / a->kv_heads, g = unit % a->kv_heads;
-        attend_unit_amx(a, a->blocks[b], a->blocks[b + 1], g, &w);
+        ok = attend_unit_amx(a, a->blocks[b], a->blocks[b + 1], g, &w) == 0;
     }
     _tile_release();
+    free(w.tile_mem);
     free(mem);
+    if (!ok) abort(); /* no memory for a unit's key and value tiles: no other path gives its bits */
     return 1;
 }
 #else
