@@ -25,7 +25,7 @@ from test_cli import pdserve as pdserve_with_test_env
 pytestmark = pytest.mark.e2e
 
 GRPC_PORT, HTTP_PORT = 9140, 8140
-SHORT, DRAIN_S = 300, 60  # a short stream is running when the drain begins (some seconds after it starts) and finishes within it
+SHORT, DRAIN_S = 200, 40  # a short stream is running when the drain begins (some seconds after it starts) and finishes within it
 HANG_S = 120.0  # deadlines below only catch hangs
 
 
@@ -231,7 +231,7 @@ def http_post(path: str, body: dict, timeout: float = HANG_S):
 
 
 def test_down_drains_then_stops(cluster):
-    """`pdserve down --drain-s 60` with 3 short (SHORT tokens) and 3 long streams (gRPC) and a long HTTP
+    """`pdserve down --drain-s DRAIN_S` with 3 short (SHORT tokens) and 3 long streams (gRPC) and a long HTTP
     stream running: new requests are refused with a retry hint, the short streams finish
     whole, the long ones end with an error (a status, an error event), never a silent cut."""
     client = Client(f"127.0.0.1:{GRPC_PORT}", retries=0)
