@@ -497,6 +497,13 @@ static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
     int ok = 1;
     for (int64_t i = begin; i < end && ok; i++) {
         int64_t unit = unit_at(a, i), b = unit / a->kv_heads, g = unit % a->kv_heads;
+        w.next_table = 0;
+        if (i + 1 < end) { /* where its first keys are, to ask for them ahead */
+            int64_t nu = unit_at(a, i + 1), nb = nu / a->kv_heads, t0 = a->blocks[nb];
+            w.next_table = a->tables + (int64_t)a->token_seq[t0] * a->max_blocks;
+            w.next_vh = (const uint16_t *)a->v + (nu % a->kv_heads) * a->kv_head_stride;
+            w.next_last = a->positions[a->blocks[nb + 1] - 1];
+        }
         ok = attend_unit_amx(a, a->blocks[b], a->blocks[b + 1], g, &w) == 0;
     }
     _tile_release();
