@@ -490,7 +490,7 @@ static inline int64_t unit_at(const attn_args *a, int64_t i) {
 static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
     if (!a->bf || !amx_on || a->D % 32 || a->window || a->softcap > 0) return 0; /* windows, soft-caps: the AVX512-BF16 path */
     char *mem = malloc(amx_attn_work_bytes(QB * (a->heads / a->kv_heads), a->D));
-    if (!mem) return 0;
+    if (!mem) amx_attn_out_of_memory();
     amx_attn_work w = amx_attn_carve(mem, QB * (a->heads / a->kv_heads), a->D);
     const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     amx_configure(rows);
@@ -509,7 +509,7 @@ static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
     _tile_release();
     free(w.tile_mem);
     free(mem);
-    if (!ok) abort(); /* no memory for a unit's key and value tiles: no other path gives its bits */
+    if (!ok) amx_attn_out_of_memory();
     return 1;
 }
 #else

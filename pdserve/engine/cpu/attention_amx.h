@@ -26,6 +26,8 @@
 #ifndef PDSERVE_ATTENTION_AMX_H
 #define PDSERVE_ATTENTION_AMX_H
 
+#include <stdio.h>
+
 #include "amx.h"
 
 #define AT 32 /* keys per tile */
@@ -68,9 +70,18 @@ static amx_attn_work amx_attn_carve(char *mem, int64_t rows, int64_t D) {
     return w;
 }
 
-/* Room for `tiles` tiles of keys and values. Returns 0, or -1 where memory ran out. */
+/* No memory for the work: no other path gives these rows' bits, so the process stops, saying
+ * why (a replica's supervisor restarts it), rather than answer with other numerics. */
+static void amx_attn_out_of_memory(void) {
+    fprintf(stderr, "pdserve attention (AMX): out of memory for a unit's work; stopping\n");
+    abort();
+}
+
+/* Room for `tiles` tiles of keys and values (grown by half again at least, so a batch of
+ * rising contexts does not reallocate per unit). Returns 0, or -1 where memory ran out. */
 static int amx_attn_tiles(amx_attn_work *w, int64_t tiles, int64_t D) {
     if (tiles <= w->tiles) return 0;
+    if (tiles < w->tiles + w->tiles / 2) tiles = w->tiles + w->tiles / 2;
     free(w->tile_mem);
     size_t vt = (size_t)(tiles * D * 32 * 2), kp = (size_t)(tiles * 32 * D * 2), ka = (size_t)(tiles * 2) * sizeof(void *);
     w->tile_mem = aligned_alloc(64, (vt + kp + ka + 63) / 64 * 64);
@@ -80,7 +91,8 @@ static int amx_attn_tiles(amx_attn_work *w, int64_t tiles, int64_t D) {
     return 0;
 }
 
-/* exp(x) for x <= 0 (every exponent here is a score less the running max): 2^t with
+/* exp(x) for finite x <= LAZY (every exponent here is a score less its row's reference max,
+ * or two maxima's difference; -inf never reaches it, masks take those lanes): 2^t with
  * t = x log2(e) split as n + f, |f| <= 1/2, 2^f from Cephes' exp2f polynomial (relative
  * error ~2e-7, below the bf16 rounding of the probabilities), scaled by 2^n with VSCALEFPS,
  * which also takes t far below the float range to 0. Ten vector ops against simd.h vexp's
@@ -184,14 +196,16 @@ static inline __mmask16 softmax_rows(const float *st, const int32_t *lp, int row
 /* O's d-chunk dc (16 columns) of the chunk += P V_dc, in C tile T: resident (D <= 64) in
  * the tile across the key tiles, else loaded from and stored to o. Tile 6 holds P. */
 #define AMX_PV(T, dc)                                                                  \
-    if ((dc) < ND) {                                                                   \
-        if (!resident) amx_load(T, w->o + 16 * (dc), D * 4);                           \
-        amx_load(7, vt + (dc) * 512, 64);                                              \
-        _tile_dpbf16ps(T, 6, 7);                                                       \
-        if (!resident) _tile_stored(T, w->o + 16 * (dc), D * 4);                       \
-    }
-#define AMX_O_STORE(T) if (T < ND) _tile_stored(T, w->o + 16 * T, D * 4)
-#define AMX_O_LOAD(T) if (T < ND) amx_load(T, w->o + 16 * T, D * 4)
+    do {                                                                               \
+        if ((dc) < ND) {                                                               \
+            if (!resident) amx_load(T, w->o + 16 * (dc), D * 4);                       \
+            amx_load(7, vt + (dc) * 512, 64);                                          \
+            _tile_dpbf16ps(T, 6, 7);                                                   \
+            if (!resident) _tile_stored(T, w->o + 16 * (dc), D * 4);                   \
+        }                                                                              \
+    } while (0)
+#define AMX_O_STORE(T) do { if ((T) < ND) _tile_stored(T, w->o + 16 * (T), D * 4); } while (0)
+#define AMX_O_LOAD(T) do { if ((T) < ND) amx_load(T, w->o + 16 * (T), D * 4); } while (0)
 
 /* The keys and values of the unit's tiles [0, ntiles) (keys 0 .. last): half tiles of keys
  * as A tiles (in place where 16 whole rows of one block, else copied with zeros past last)

@@ -162,10 +162,11 @@ def build_rank(plan: RankPlan, rank: int, comm: ShmComm, pool: tuple[torch.Tenso
     return model
 
 
-def worker_main(conn, rank: int, rank0_pid: int | None = None) -> None:
+def worker_main(conn, rank: int, rank0_pid: int | None = None) -> str | None:
     """A rank > 0: read its plan, build its share, say "ready", then run every step rank 0
     sends until it says "close" or its pipe ends. ``rank0_pid``: rank 0's process where it is
-    not this one's parent (an actor); a rank 0 that is gone aborts the collectives."""
+    not this one's parent (an actor); a rank 0 that is gone aborts the collectives. Returns
+    the error that ended it (also sent to rank 0), or None."""
     try:
         plan = pickle.loads(conn.recv_bytes())
         torch.set_num_threads(plan.num_threads)
@@ -175,7 +176,7 @@ def worker_main(conn, rank: int, rank0_pid: int | None = None) -> None:
         model = build_rank(plan, rank, comm, pool)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
+        return f"{type(e).__name__}: {e}"
     conn.send(("ready", os.getpid()))
     parent = os.getppid()
 
@@ -199,7 +200,7 @@ def worker_main(conn, rank: int, rank0_pid: int | None = None) -> None:
         except Exception as e:  # noqa: BLE001
             log.error("tensor parallel rank %d: %s", rank, e)
             conn.send(("error", f"{type(e).__name__}: {e}"))
-            return
+            return f"{type(e).__name__}: {e}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -247,7 +248,10 @@ class TPGroup:
             for rank, r in enumerate(self.ranks, 1):
                 if not r.conn.poll(START_TIMEOUT_S):
                     raise TimeoutError(f"tensor parallel rank {rank} did not load in {START_TIMEOUT_S:.0f} s")
-                what, detail = r.conn.recv()
+                try:
+                    what, detail = r.conn.recv()
+                except (EOFError, OSError):
+                    what, detail = "error", f"its connection closed ({r.exited() or 'no exit seen yet'})"
                 if what != "ready":
                     raise RuntimeError(f"tensor parallel rank {rank} failed to start: {detail}")
                 r.pid = detail
@@ -288,28 +292,34 @@ class TPGroup:
             self._check()
 
     def _check(self) -> None:
+        if self._closing:
+            raise RuntimeError("tensor parallel group is closed")
         for rank, r in enumerate(self.ranks, 1):
-            if (how := r.exited()) is not None:
-                raise RuntimeError(f"tensor parallel rank {rank} (pid {r.pid}) {how}")
-            if r.conn.poll():
+            closed = False
+            if r.conn.poll():  # its own error first: it sends it before it ends
                 try:
                     _, detail = r.conn.recv()
+                    raise RuntimeError(f"tensor parallel rank {rank} (pid {r.pid}): {detail}")
                 except (EOFError, OSError):
-                    detail = "its connection closed"
-                raise RuntimeError(f"tensor parallel rank {rank}: {detail}")
+                    closed = True
+            if (how := r.exited()) is not None:
+                raise RuntimeError(f"tensor parallel rank {rank} (pid {r.pid}) {how}")
+            if closed:
+                raise RuntimeError(f"tensor parallel rank {rank} (pid {r.pid}): its connection closed")
 
     def close(self) -> None:
-        """Stop the ranks (each within 10 s, else killed)."""
-        self._closing = True
-        for r in self.ranks:
+        """Stop the ranks (each within 10 s, else killed). A check() after it raises."""
+        with self._lock:
+            self._closing = True
+            ranks, self.ranks = self.ranks, []
+        for r in ranks:
             try:
                 r.conn.send_bytes(b"close")
             except OSError:
                 pass
-        for r in self.ranks:
+        for r in ranks:
             r.stop(10)
             r.conn.close()
-        self.ranks = []
 
 
 def start(checkpoint, kv_cache: PagedKVCache, world: int, backend: str, num_threads: int, max_positions: int, max_tokens: int,
@@ -327,6 +337,10 @@ def start(checkpoint, kv_cache: PagedKVCache, world: int, backend: str, num_thre
         group = TPGroup(plan, comm)
     finally:
         comm.unlink()  # every rank has mapped it (or failed)
-    model = build_rank(plan, 0, comm, (kv_cache.k, kv_cache.v))
+    try:
+        model = build_rank(plan, 0, comm, (kv_cache.k, kv_cache.v))
+    except BaseException:
+        group.close()
+        raise
     return group, model
 

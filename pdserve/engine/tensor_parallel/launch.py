@@ -15,6 +15,7 @@ Either way a rank is a connection (multiprocessing.connection.Connection) and a 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import secrets
 import socket
@@ -24,7 +25,27 @@ import time
 import uuid
 from multiprocessing.connection import Connection
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.5  # how often a waiting rank 0 looks at its actors while they start
+HELLO_BYTES = 34  # an actor's first bytes: rank 0's token (32) and its rank (2)
+HELLO_TIMEOUT_S = 10.0  # longest a connection may take to send them
+
+
+def _recv_exact(sock: socket.socket, n: int, timeout_s: float) -> bytes:
+    """Up to ``n`` bytes within ``timeout_s`` (fewer where the peer stops or is too slow)."""
+    sock.settimeout(timeout_s)
+    data, end = b"", time.monotonic() + timeout_s
+    try:
+        while len(data) < n and (left := end - time.monotonic()) > 0:
+            sock.settimeout(left)
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    return data
 
 
 class ChildRank:
@@ -61,8 +82,9 @@ class TPRankActor:
     """A rank > 0 as a Ray actor (``ray.remote`` is applied by ActorRanks, so this module
     imports without Ray)."""
 
-    def run(self, address: bytes, token: bytes, rank: int, rank0_pid: int) -> None:
-        """Connect to rank 0, prove ``token``, then serve as rank ``rank`` until closed."""
+    def run(self, address: bytes, token: bytes, rank: int, rank0_pid: int) -> str | None:
+        """Connect to rank 0, prove ``token``, then serve as rank ``rank`` until closed.
+        Returns the error that ended it, or None."""
         import logging
 
         from pdserve.engine.tensor_parallel.group import worker_main
@@ -71,21 +93,27 @@ class TPRankActor:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(60)
         sock.connect(address)
+        sock.sendall(token + rank.to_bytes(2, "little"))
         sock.settimeout(None)
-        conn = Connection(sock.detach())
-        conn.send_bytes(token + rank.to_bytes(2, "little"))
-        worker_main(conn, rank, rank0_pid)
+        return worker_main(Connection(sock.detach()), rank, rank0_pid)
 
 
 class ActorRank:
-    """Rank ``rank`` as a running TPRankActor: its actor, its run() call and its connection."""
+    """Rank ``rank`` as a running TPRankActor: its actor, its run() call and its connection.
+    ``wait`` (rank 0's watcher thread) records how it ended; ``exited`` reads that record,
+    so a step's check makes no Ray call."""
 
     def __init__(self, actor, ref):
         self.actor, self.ref = actor, ref
         self.conn: Connection | None = None
         self.pid: int | None = None
+        self.ended: str | None = None
 
     def exited(self) -> str | None:
+        return self.ended
+
+    def probe(self) -> str | None:
+        """How it ended, asking Ray now (while it starts); None while it runs."""
         import ray
 
         done, _ = ray.wait([self.ref], timeout=0)
@@ -94,36 +122,44 @@ class ActorRank:
     def wait(self) -> str:
         import ray
 
-        ray.wait([self.ref], timeout=None)
-        return self._how()
+        while not ray.wait([self.ref], timeout=3600)[0]:  # ray.wait(timeout=None) gives up after 10**6 s
+            pass
+        self.ended = self._how()
+        return self.ended
 
     def _how(self) -> str:
         import ray
 
         try:
-            ray.get(self.ref, timeout=0)
-            return "actor ended"
+            detail = ray.get(self.ref, timeout=10)
+            return f"ended: {detail}" if detail else "actor ended"
         except Exception as e:  # noqa: BLE001 - RayActorError, RayTaskError: how it ended
             return f"actor died: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     def stop(self, timeout_s: float) -> None:
+        """After "close": wait ``timeout_s`` for run() to return, then end the actor either way
+        (its process holds the shared mappings and its bundle until then)."""
         import ray
 
-        done, _ = ray.wait([self.ref], timeout=timeout_s)
-        if not done:
-            ray.kill(self.actor)
+        ray.wait([self.ref], timeout=timeout_s)
+        ray.kill(self.actor)
 
 
 def current_placement_group(world: int):
-    """The Ray placement group rank 0 runs in, if it has a bundle for each of ``world`` ranks;
-    else None. Never imports or starts Ray."""
+    """The Ray placement group rank 0 runs in, if it is STRICT_PACK with a bundle for each of
+    ``world`` ranks (on Linux); else None. Never imports or starts Ray."""
     ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    if ray is None or not ray.is_initialized() or not sys.platform.startswith("linux"):  # abstract Unix sockets: Linux's
         return None
-    from ray.util.placement_group import get_current_placement_group
+    from ray.util.placement_group import get_current_placement_group, placement_group_table
 
     pg = get_current_placement_group()
-    return pg if pg is not None and len(pg.bundle_specs) >= world else None
+    if pg is None or len(pg.bundle_specs) < world:
+        return None
+    if placement_group_table(pg).get("strategy") != "STRICT_PACK":  # ranks must share rank 0's node (memory, sockets)
+        log.warning("tensor parallel: placement group %s is not STRICT_PACK; ranks run as child processes", pg.id.hex())
+        return None
+    return pg
 
 
 def start_actors(pg, world: int, timeout_s: float) -> list[ActorRank]:
@@ -150,7 +186,7 @@ def start_actors(pg, world: int, timeout_s: float) -> list[ActorRank]:
         deadline = time.monotonic() + timeout_s
         while any(r.conn is None for r in ranks.values()):
             for rank, r in ranks.items():
-                if r.conn is None and (how := r.exited()):
+                if r.conn is None and (how := r.probe()):
                     raise RuntimeError(f"tensor parallel rank {rank} failed to start: {how}")
             if time.monotonic() > deadline:
                 waiting = [rank for rank, r in ranks.items() if r.conn is None]
@@ -159,20 +195,13 @@ def start_actors(pg, world: int, timeout_s: float) -> list[ActorRank]:
                 sock, _ = server.accept()
             except socket.timeout:
                 continue
-            sock.settimeout(None)
-            conn = Connection(sock.detach())
-            if not conn.poll(10):
-                conn.close()
-                continue
-            try:
-                hello = conn.recv_bytes(maxlength=64)
-            except (OSError, EOFError):
-                hello = b""
+            hello = _recv_exact(sock, HELLO_BYTES, min(HELLO_TIMEOUT_S, max(deadline - time.monotonic(), 0.1)))
             rank = int.from_bytes(hello[32:], "little")
-            if len(hello) != 34 or not hmac.compare_digest(hello[:32], token) or rank not in ranks or ranks[rank].conn is not None:
-                conn.close()  # not one of ours
+            if len(hello) != HELLO_BYTES or not hmac.compare_digest(hello[:32], token) or rank not in ranks or ranks[rank].conn is not None:
+                sock.close()  # not one of ours
                 continue
-            ranks[rank].conn = conn
+            sock.settimeout(None)
+            ranks[rank].conn = Connection(sock.detach())
     except BaseException:
         for r in ranks.values():
             ray.kill(r.actor)
