@@ -29,7 +29,10 @@ PROMPTS = random_prompts([1, 9, 31, 33, 70], seed=5)
 
 
 def shm_files() -> set[str]:
-    return set(glob.glob("/dev/shm/pdserve-tp-*"))
+    """This process's tensor-parallel shared files (the KV pool's and the collectives'; their
+    names carry rank 0's pid, so another test run on the machine does not count)."""
+    pid = os.getpid()
+    return set(glob.glob(f"/dev/shm/pdserve-tp-{pid}-*") + glob.glob(f"/dev/shm/pdserve-tp-kv-{pid}-*"))
 
 
 def llama(heads: int, kv_heads: int, seed: int = 3) -> LlamaForCausalLM:

@@ -22,7 +22,7 @@ class Linear:
         dtype (checked here; else the dense weight, with a warning naming the layer). Where the
         backend packs a copy of a dense weight, ``self.weight`` is dropped (None)."""
         self.backend, self.weight, self.name = backend, weight.detach(), name
-        self.after = None  # tensor parallel: what takes the output (an all-reduce, a gather; tensor_parallel/group.py)
+        self.after = None  # tensor parallel: what takes the output (an all-reduce, a gather; tensor_parallel/rank_model.py)
         self.out_features, self.in_features = weight.shape
         self.bias = bias.detach().contiguous() if bias is not None else None
         self.packed = self._pack_quantized(quantized) if quantized is not None else None

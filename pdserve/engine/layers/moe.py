@@ -28,7 +28,7 @@ class MoE:
         expert's output (Qwen3-MoE), else kept in float32 (Mixtral)."""
         self.backend, self.top_k, self.renormalize, self.in_model_dtype = backend, top_k, renormalize, weights_in_model_dtype
         self.router = Linear(backend, router, name=f"{name}.gate")
-        self.after = None  # tensor parallel: the all-reduce of the rank's partial sums (tensor_parallel/group.py)
+        self.after = None  # tensor parallel: the all-reduce of the rank's partial sums (tensor_parallel/rank_model.py)
         self.experts = [(Linear(backend, gate_up[e], name=f"{name}.experts.{e}.gate_up"), Linear(backend, down[e], name=f"{name}.experts.{e}.down"))
                         for e in range(gate_up.shape[0])]
 

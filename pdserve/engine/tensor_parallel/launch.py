@@ -87,7 +87,7 @@ class TPRankActor:
         Returns the error that ended it, or None."""
         import logging
 
-        from pdserve.engine.tensor_parallel.group import worker_main
+        from pdserve.engine.tensor_parallel.rank import worker_main
 
         logging.basicConfig(level=logging.INFO)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
