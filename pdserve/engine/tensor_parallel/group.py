@@ -79,11 +79,6 @@ class TPGroup:
         for rank, r in enumerate(self.ranks, 1):
             threading.Thread(target=self._watch, args=(rank, r), name=f"tp-watch-rank{rank}", daemon=True).start()
 
-    @property
-    def pids(self) -> list[int]:
-        """Ranks 1 .. n-1's process ids."""
-        return [r.pid for r in self.ranks]
-
     def _watch(self, rank: int, r) -> None:
         """A rank that ends before close() aborts every rank's collectives."""
         how = r.wait()
