@@ -100,7 +100,10 @@ def generate_through_a_prefill_kill(cluster, model, prompts: list[list[int]], ma
 def test_a_prefill_replica_killed_mid_request_is_retried_on_the_other(cluster, model):
     wait_for_two_running()
     before = router_stats()["num_prefill_retries"]
-    prompts = [prompt(i, 700) for i in range(6)]  # long prompts: both replicas have a queue when one dies
+    # long prompts, 8 of them: both replicas still have a queue 1.5 s in, when one dies, on a
+    # fast machine too (with 6, one run found both queues already drained: nothing to retry);
+    # 5,600 tokens fit one replica's 8,192-token pool when the survivor takes them all
+    prompts = [prompt(i, 700) for i in range(8)]
     generate_through_a_prefill_kill(cluster, model, prompts, 4)
     assert router_stats()["num_prefill_retries"] > before
     wait_for_two_running()
