@@ -9,6 +9,7 @@ reference, with no token missing or repeated (float32)."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.e2e
 GRPC_PORT, HTTP_PORT = 9170, 8170
 TWO = {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2}, "ray_actor_options": {"num_cpus": 0.5}, "kv_cache_tokens": 8192}
 HANG_FILE = Path(f"/tmp/pdserve-test-hang-{os.getpid()}")  # a decode replica that finds it hangs (pdserve/engine/loop.py)
+PREFILL_HANG_FILE = Path(f"/tmp/pdserve-test-prefill-hang-{os.getpid()}")  # the same, for a prefill replica
+PREFILL = {**TWO, "ray_actor_options": {"num_cpus": 0.5, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HANG_FILE": str(PREFILL_HANG_FILE)}}}}
 DECODE = {
     **TWO, "max_num_batched_tokens": 512, "max_step_s": 10, "health_check_period_s": 1, "health_check_timeout_s": 5,
     "ray_actor_options": {"num_cpus": 0.5, "runtime_env": {"env_vars": {"PDSERVE_FAULT_HANG_FILE": str(HANG_FILE)}}},
@@ -33,7 +36,7 @@ DECODE = {
 def cluster():
     yield from serve_cluster({
         "model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "retry_backoff_s": 0.2},
-        "prefill": TWO, "decode": DECODE,
+        "prefill": PREFILL, "decode": DECODE,
     })
 
 
@@ -65,34 +68,47 @@ def router_stats() -> dict:
     return serve.get_deployment_handle("router", "pdserve").stats.remote().result(timeout_s=30)
 
 
-def wait_for_two_running(timeout_s: float = 120) -> None:
+def wait_for_two_running(timeout_s: float = 120, pools: tuple[str, ...] = ("prefill", "decode")) -> None:
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         deployments = serve.status().applications["pdserve"].deployments
-        running = [sum(n for s, n in deployments[p].replica_states.items() if str(getattr(s, "value", s)) == "RUNNING") for p in ("prefill", "decode")]
-        if running == [2, 2]:
+        running = [sum(n for s, n in deployments[p].replica_states.items() if str(getattr(s, "value", s)) == "RUNNING") for p in pools]
+        if running == [2] * len(pools):
             return
         time.sleep(1)
-    raise AssertionError(f"pools not back to 2 replicas: {running}")
+    raise AssertionError(f"pools {pools} not back to 2 replicas: {running}")
 
 
 def prompt(i: int, n: int) -> list[int]:
     return [1000 + (i * 7919 + j * 104729) % 20000 for j in range(n)]
 
 
-def generate_through_a_prefill_kill(cluster, model, prompts: list[list[int]], max_tokens: int) -> None:
-    """Generate ``prompts`` at once, kill a prefill replica 1.5 s in, and check every answer
-    equals the reference. A short request first warms the path (the test's router handle,
-    Serve's replica lists): on a fresh cluster that took long enough in one CI run that
-    the kill came before any prompt reached a prefill replica, and nothing was retried."""
-    cluster.generate(prompt_token_ids=prompts[0][:8], max_tokens=1, timeout_s=120)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(cluster.generate, prompt_token_ids=p, max_tokens=max_tokens, ignore_eos=True, timeout_s=300) for p in prompts]
-        time.sleep(1.5)
-        kill_one("prefill")
-        results = [f.result() for f in futures]
+def generate_through_a_prefill_kill(cluster, model, prompts: list[list[int]], max_tokens: int, hang_file: Path = PREFILL_HANG_FILE) -> None:
+    """Generate ``prompts`` at once and SIGKILL the prefill replica that holds one of them, then
+    check every answer equals the reference. The pool runs with ``PDSERVE_FAULT_HANG_FILE =
+    hang_file``: the first replica to step with work after the file appears takes it and hangs
+    in that step (pdserve/engine/loop.py), so the replica killed holds at least one request,
+    however fast the machine (a kill at a fixed time once found both queues drained)."""
+    cluster.generate(prompt_token_ids=prompts[0][:8], max_tokens=1, timeout_s=120)  # warm the path
+    taken = f"{hang_file.name}.taken-by-"
+    for old in hang_file.parent.glob(f"{taken}*"):
+        old.unlink()
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(cluster.generate, prompt_token_ids=p, max_tokens=max_tokens, ignore_eos=True, timeout_s=300) for p in prompts]
+            hang_file.touch()
+            deadline = time.monotonic() + 120  # only catches a hang
+            while not (found := list(hang_file.parent.glob(f"{taken}*"))):
+                assert time.monotonic() < deadline, "no prefill replica took the hang file"
+                time.sleep(0.05)
+            os.kill(int(found[0].name[len(taken):]), signal.SIGKILL)  # the replica's actor process
+            results = [f.result() for f in futures]
+    finally:
+        hang_file.unlink(missing_ok=True)
+        for path in hang_file.parent.glob(f"{taken}*"):
+            path.unlink()
     for p, r in zip(prompts, results):
         assert r.token_ids == reference_generate(model, p, max_tokens, ignore_eos=True)
 
@@ -100,10 +116,7 @@ def generate_through_a_prefill_kill(cluster, model, prompts: list[list[int]], ma
 def test_a_prefill_replica_killed_mid_request_is_retried_on_the_other(cluster, model):
     wait_for_two_running()
     before = router_stats()["num_prefill_retries"]
-    # long prompts, 8 of them: both replicas still have a queue 1.5 s in, when one dies, on a
-    # fast machine too (with 6, one run found both queues already drained: nothing to retry);
-    # 5,600 tokens fit one replica's 8,192-token pool when the survivor takes them all
-    prompts = [prompt(i, 700) for i in range(8)]
+    prompts = [prompt(i, 700) for i in range(6)]  # 4,200 tokens: the survivor's 8,192-token pool takes them all
     generate_through_a_prefill_kill(cluster, model, prompts, 4)
     assert router_stats()["num_prefill_retries"] > before
     wait_for_two_running()

@@ -13,7 +13,7 @@ import torch
 
 from conftest import serve_cluster
 from test_e2e import pool_stats
-from test_failures import generate_through_a_prefill_kill, prompt, router_stats
+from test_failures import PREFILL, generate_through_a_prefill_kill, prompt, router_stats, wait_for_two_running
 
 pytestmark = pytest.mark.e2e
 GRPC_PORT, HTTP_PORT = 9190, 8190
@@ -23,7 +23,7 @@ GRPC_PORT, HTTP_PORT = 9190, 8190
 def cluster():
     yield from serve_cluster({
         "model": {"dtype": "float32"}, "router": {"grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "retry_backoff_s": 0.2},
-        "prefill": {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2}, "ray_actor_options": {"num_cpus": 0.5}, "kv_cache_tokens": 8192},
+        "prefill": PREFILL,
         "decode": {"kv_cache_tokens": 8192},
         "kv_transfer": {"backend": "grpc", "layerwise": True},
     })
@@ -38,7 +38,8 @@ def model(real_model_dir):
 
 
 def test_a_prefill_replica_killed_while_decode_streams_its_layers_is_retried_on_the_other(cluster, model):
-    prompts = [prompt(i + 40, 700) for i in range(6)]  # long prompts: decode fetches while both replicas compute
+    wait_for_two_running(pools=("prefill",))
+    prompts = [prompt(i + 40, 700) for i in range(6)]  # long prompts: decode fetches while a replica computes
     generate_through_a_prefill_kill(cluster, model, prompts, 6)
     assert router_stats()["num_prefill_retries"] > 0
     deadline = time.monotonic() + 60
@@ -64,6 +65,7 @@ def test_a_router_killed_during_layerwise_hand_offs_leaves_nothing_in_either_poo
     from pdserve.client import Client
     from test_failures import replicas
 
+    wait_for_two_running(pools=("prefill",))  # both prefill replicas compute (the test before killed one)
     prompts = [prompt(i + 60, 700) for i in range(6)]
     cluster.generate(prompt_token_ids=prompts[0][:8], max_tokens=1, timeout_s=120)  # warm the path
     before = sum(s["num_stopped_for_dead_caller"] for s in replica_stats("prefill").values())
