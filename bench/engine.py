@@ -182,12 +182,13 @@ def hf_prefill(model, num_tokens: int, repeats: int) -> float:
         return _timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), repeats)
 
 
-def random_model(dtype: str, device: str):
+def random_model(dtype: str, device: str, vocab_size: int = 49152):
     """SmolLM2-135M's shape (its config.json) with random weights: decode and prefill cost the
-    same as the real model's, and nothing has to be carried to the machine."""
+    same as the real model's, and nothing has to be carried to the machine. ``vocab_size``:
+    another vocabulary (Llama 3's 128,256 for the sampler's bench)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)

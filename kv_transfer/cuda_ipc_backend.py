@@ -10,8 +10,9 @@ The shape of the shm backend, on GPU memory:
    sender process, peer access enabled lazily when the two pools sit on different GPUs),
    views them as the sender's pool, and copies the transfer's whole blocks device to
    device into its own blocks: one indexed copy per layer for k and one for v.
-3. It checksums its copy per layer on its GPU and acknowledges with ``ReleaseKV``; the
-   sender compares (as shm does), so a copy that raced a reused block is caught.
+3. It checksums its copy, every layer in one computation on its GPU and one copy of the
+   sums to the host, and acknowledges with ``ReleaseKV``; the sender compares (as shm
+   does), so a copy that raced a reused block is caught.
 
 cupy comes with the ``gpu`` extra (``pip install 'pdserve[gpu]'``, cupy-cuda12x; ``gpu-cuda13``
 for cupy-cuda13x: any cupy build works). CUDA
@@ -79,24 +80,38 @@ class CudaIpcPoolMemory(PoolMemory):
         return k, v
 
 
-def layer_checksum(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> int:
-    """Checksum of one layer's blocks on their GPU: k, v: [kv_heads, num_slots, head_dim];
-    block_ids: int64 [n] on the same device. A position-weighted sum of the 16-bit words
-    (exact integer arithmetic, so both sides agree bit for bit)."""
-    total = 0
-    for t in (k, v):
-        heads, num_slots, head_dim = t.shape
-        blocks = t.view(heads, num_slots // block_size, block_size * head_dim)[:, block_ids]  # [kv_heads, n, block_size * head_dim]
-        words = blocks.contiguous().view(torch.int16).to(torch.int64).flatten()
-        weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-        total = (total * 1_000_003 + int((words * weights).sum().item())) % (1 << 63)
-    return total
+_WEIGHT_PERIOD = 65521  # position weights 1 .. 65521 (a prime), so a moved or swapped word changes the sum
+
+
+def layer_checksums(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Checksums of a transfer's blocks in every layer, on the pool's device, with no host
+    sync: k, v: [num_layers, kv_heads, num_slots, head_dim]; block_ids: int64 [n] on the same
+    device. Returns int64 [num_layers]: per layer, sum over k's then v's 32-bit words (16-bit
+    where a block's bytes are not a multiple of 4) of word * (position % 65521 + 1), in int64
+    arithmetic, which wraps the same on any device and in any order, so both sides agree bit
+    for bit; the sign bit cleared (a protobuf fixed64)."""
+    num_layers, heads, num_slots, head_dim = k.shape
+    row_bytes = block_size * head_dim * k.element_size()
+    word = torch.int32 if row_bytes % 4 == 0 else torch.int16
+    out = torch.empty(num_layers, dtype=torch.int64, device=k.device)
+    weights = None
+    for layer in range(num_layers):  # a layer at a time: the int64 words of one layer's blocks at most, not the transfer's
+        sums = []
+        for t in (k[layer], v[layer]):
+            blocks = t.view(heads, num_slots // block_size, block_size * head_dim)[:, block_ids]  # [H, n, bs * D]
+            words = blocks.contiguous().view(-1).view(word)
+            if weights is None:
+                weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % _WEIGHT_PERIOD + 1
+            sums.append((words.to(torch.int64) * weights).sum())
+        out[layer] = sums[0] * 1_000_003 + sums[1]
+    return out & ((1 << 63) - 1)
 
 
 def checksums(kv_cache: PagedKVCache, ids: list[int]) -> list[int]:
-    """The sender's per-layer checksums of a transfer's blocks (run beside the copy)."""
+    """The sender's per-layer checksums of a transfer's blocks (run beside the copy): one
+    device computation, one copy to the host."""
     index = torch.tensor(ids, dtype=torch.long, device=kv_cache.device)
-    return [layer_checksum(kv_cache.k[l], kv_cache.v[l], index, kv_cache.block_size) for l in range(kv_cache.spec.num_layers)]
+    return layer_checksums(kv_cache.k, kv_cache.v, index, kv_cache.block_size).tolist()
 
 
 class CudaIpcReader:
@@ -145,16 +160,16 @@ class CudaIpcReader:
         src_k, src_v = self._open(key, desc, sink, paged.device)
         src_ids = torch.tensor(list(desc.block_ids), dtype=torch.long, device=paged.device)
         dst_ids = torch.tensor(sink.block_table[: len(src_ids)], dtype=torch.long, device=paged.device)
-        nbytes, sums = 0, []
+        nbytes = 0
         blocks = lambda t: t.view(spec.num_kv_heads, -1, block_size * spec.head_dim)  # noqa: E731 - [kv_heads, blocks, block_size * head_dim]
         for layer in range(spec.num_layers):
             if cancel is not None and cancel.is_set():
                 raise KVTransferError("KV transfer cancelled")
             for src, dst in ((src_k[layer], paged.k[layer]), (src_v[layer], paged.v[layer])):
                 blocks(dst)[:, dst_ids] = blocks(src)[:, src_ids]  # whole blocks, device to device
-            sums.append(layer_checksum(paged.k[layer], paged.v[layer], dst_ids, block_size))  # .item(): the copy has landed
             nbytes += 2 * desc.num_tokens * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
-        return nbytes, sums
+        # every layer's checksum on the GPU, then one copy to the host (after the copies, on one stream)
+        return nbytes, layer_checksums(paged.k, paged.v, dst_ids, block_size).tolist()
 
 
 class _Opened:

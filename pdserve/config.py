@@ -27,6 +27,7 @@ from pdserve.autoscaling import PolicyConfigError, PolicySettings
 
 log = logging.getLogger(__name__)
 
+CPU_KV_CACHE_TOKENS = 32768  # a CPU pool's KV tokens where neither kv_cache_tokens nor kv_cache_bytes is set
 
 class ConfigError(ValueError):
     """A cluster.yaml value is missing, unknown or out of range."""
@@ -167,8 +168,10 @@ class PoolConfig:
     kv_lease_s: float = 30.0  # prefill only: seconds a prompt's KV is held for decode
     # the engine (pdserve/engine): paged KV pool and batching
     block_size: int = 16  # tokens per KV block
-    kv_cache_tokens: int | None = 32768  # KV pool size in tokens ...
-    kv_cache_bytes: int | None = None  # ... or in bytes (takes precedence)
+    kv_cache_tokens: int | None = None  # KV pool size in tokens ...
+    kv_cache_bytes: int | None = None  # ... or in bytes (takes precedence); both None: CPU_KV_CACHE_TOKENS on a CPU, and on
+    # a GPU this fraction of the memory free after the weights and a profiled step (engine/memory.py)
+    kv_cache_memory_fraction: float = 0.9
     max_num_seqs: int = 64  # sequences per forward
     max_num_batched_tokens: int = 2048  # new tokens per forward
     chunk_size: int = 2048  # prompt tokens of one sequence per forward (chunked prefill)
@@ -435,8 +438,9 @@ class ClusterConfig:
                 value = getattr(pool, key)
                 if value is not None and not _int_in(value, 1):
                     raise ConfigError(f"{name}.{key} must be a positive integer or null, not {value!r}")
-            if pool.kv_cache_tokens is None and pool.kv_cache_bytes is None:
-                raise ConfigError(f"{name}: set kv_cache_tokens or kv_cache_bytes")
+            fraction = pool.kv_cache_memory_fraction
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+                raise ConfigError(f"{name}.kv_cache_memory_fraction must be a number in (0, 1], not {fraction!r}")
             try:
                 PolicySettings.parse(name, pool.autoscaling_policy)
             except PolicyConfigError as e:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.config import ClusterConfig, ConfigError, PoolConfig
+from pdserve.config import CPU_KV_CACHE_TOKENS, ClusterConfig, ConfigError, PoolConfig
 from pdserve.engine.allocator import release_free_memory
 from pdserve.engine.checkpoint import config_architecture
 from pdserve.engine.engine import Engine, EngineConfig
@@ -78,22 +78,28 @@ def max_model_len(cfg: ClusterConfig, model_config) -> int:
     return cfg.model.max_model_len or limit
 
 
-def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str, backend: str = "auto") -> EngineConfig:
-    """Raises ConfigError if the KV pool cannot hold one request of ``max_len`` tokens."""
-    try:
-        num_blocks = PagedKVCache.num_blocks_for(spec, pool.block_size, pool.kv_cache_tokens, pool.kv_cache_bytes)
-    except ValueError as e:  # a pool smaller than one block
-        raise ConfigError(f"{pool_name}: {e} (kv_cache_tokens/kv_cache_bytes)") from None
-    if num_blocks * pool.block_size < max_len:
-        raise ConfigError(
-            f"{pool_name}: the KV pool holds {num_blocks * pool.block_size} tokens, less than the "
-            f"context of {max_len}; raise kv_cache_tokens/kv_cache_bytes or lower model.max_model_len"
-        )
+def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str, backend: str = "auto", device: str = "cpu") -> EngineConfig:
+    """The pool's engine settings on ``device``. The KV pool: ``kv_cache_bytes``, else
+    ``kv_cache_tokens``, else on a GPU sized by memory at start (num_blocks 0:
+    ``kv_cache_memory_fraction``, engine/memory.py), on a CPU CPU_KV_CACHE_TOKENS. Raises
+    ConfigError if a pool of known size cannot hold one request of ``max_len`` tokens."""
+    num_blocks = 0  # (sized by memory on the GPU)
+    if pool.kv_cache_bytes is not None or pool.kv_cache_tokens is not None or device != "cuda":
+        tokens = pool.kv_cache_tokens if pool.kv_cache_tokens is not None or pool.kv_cache_bytes is not None else CPU_KV_CACHE_TOKENS
+        try:
+            num_blocks = PagedKVCache.num_blocks_for(spec, pool.block_size, tokens, pool.kv_cache_bytes)
+        except ValueError as e:  # a pool smaller than one block
+            raise ConfigError(f"{pool_name}: {e} (kv_cache_tokens/kv_cache_bytes)") from None
+        if num_blocks * pool.block_size < max_len:
+            raise ConfigError(
+                f"{pool_name}: the KV pool holds {num_blocks * pool.block_size} tokens, less than the "
+                f"context of {max_len}; raise kv_cache_tokens/kv_cache_bytes or lower model.max_model_len"
+            )
     return EngineConfig(
         num_blocks=num_blocks, block_size=pool.block_size, max_num_seqs=pool.max_num_seqs,
         max_num_batched_tokens=pool.max_num_batched_tokens, chunk_size=pool.chunk_size,
         enable_prefix_caching=pool.enable_prefix_caching, optimize=pool.optimize,
-        backend=backend, tensor_parallel_size=pool.tensor_parallel_size,
+        backend=backend, tensor_parallel_size=pool.tensor_parallel_size, kv_cache_memory_fraction=pool.kv_cache_memory_fraction,
     )
 
 
@@ -109,7 +115,9 @@ def check_pools(cfg: ClusterConfig, model_config, dtype: str) -> None:
         raise ConfigError(str(e)) from None
     spec = KVSpec.from_model_config(model_config, getattr(torch, dtype))
     for name in ("colocated",) if cfg.mode == "colocated" else ("prefill", "decode"):
-        engine_config(getattr(cfg, name), spec, max_len, name, cfg.model.backend)
+        pool = getattr(cfg, name)
+        on_gpu = cfg.model.device != "cpu" and float(pool.ray_actor_options.get("num_gpus") or 0) >= 1  # sized by its memory there
+        engine_config(pool, spec, max_len, name, cfg.model.backend, "cuda" if on_gpu else "cpu")
         try:
             check_tensor_parallel(model_config, config_architecture(model_config), getattr(cfg, name).tensor_parallel_size)
         except UnsupportedModelError as e:
@@ -154,7 +162,7 @@ def build_engine(cfg: ClusterConfig, pool_name: str, kv_memory: KVMemoryHook | N
     tokenizer = load_tokenizer(model_dir)
     max_len = max_model_len(cfg, model.config)
     spec = KVSpec.from_model_config(model.config, model.dtype)
-    config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name, cfg.model.backend)
+    config = engine_config(getattr(cfg, pool_name), spec, max_len, pool_name, cfg.model.backend, device)
     if cfg.kv_transfer.backend == "cuda_ipc" and device != "cuda":
         raise ConfigError("kv_transfer.backend cuda_ipc needs both pools on GPUs (model.device, ray_actor_options.num_gpus)")
     memory, where = kv_memory(device, spec, config) if kv_memory is not None else (None, f"private {device} memory")

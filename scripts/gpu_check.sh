@@ -6,22 +6,22 @@
 #      (bit-exact, a corrupted copy caught);
 #   2. bench/engine.py --device cuda on random weights of the bundled model's shape: decode
 #      step against HBM read bandwidth, prefill FLOP/s against the GPU's matmul peak.
-# Missing Python packages (pytest, grpcio, protobuf) install from the wheels in $WHEELS
-# (default ./wheels; fill it here with: pip download -d wheels --only-binary :all:
-#  --python-version 3.12 --platform manylinux2014_x86_64 pytest grpcio protobuf), no index.
+# The Python packages it needs beyond the image's (scripts/gpu_wheels.txt: pytest, grpcio, a
+# protobuf matching the stubs, xxhash) install from the wheels in $WHEELS (default ./wheels,
+# filled here by `bash scripts/gpu_wheels.sh` and carried: ~10 MiB), no index, pinned.
 # Writes $OUT (default bench/out/gpu): tests.txt, engine.txt, engine.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench/out/gpu}
+WHEELS=${WHEELS:-wheels}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-for mod in pytest grpc google.protobuf; do
-  if ! "$PY" -c "import $mod" 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --find-links "${WHEELS:-wheels}" pytest grpcio protobuf || echo "cannot install $mod from ${WHEELS:-wheels}"
-    break
-  fi
-done
+if [[ ! -f "$WHEELS/requirements.txt" ]]; then
+  echo "no wheels in $WHEELS: run bash scripts/gpu_wheels.sh where an index is reachable, and carry $WHEELS" >&2
+  exit 1
+fi
+"$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" -r "$WHEELS/requirements.txt" || { echo "cannot install the wheels in $WHEELS" >&2; exit 1; }
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" | tee "$OUT/device.txt"
 rc=0
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu -k "not cluster" tests/gpu/test_gpu.py 2>&1 | tee "$OUT/tests.txt" || rc=1

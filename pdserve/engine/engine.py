@@ -8,6 +8,7 @@ a decode worker's sequences arrive with their prompt KV already in their blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine import backends, tensor_parallel
+from pdserve.engine import backends, memory, tensor_parallel
 from pdserve.engine.allocator import keep_freed_memory
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.checkpoint import Checkpoint
@@ -26,11 +27,12 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import PagedKVCache, PoolMemory, SharedPoolMemory
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models import build_model
+from pdserve.engine.sampler import Draw, sample_batch
 from pdserve.errors import InvalidRequestError
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SeqStatus
 from pdserve.kv_layout import KVSpec
-from pdserve.sampling import FirstToken, finish_reason, sample, token_logprob
+from pdserve.sampling import FirstToken, finish_reason
 from pdserve.structured import Grammars, fill_masks
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ MASK_DEADLINE_S = 30.0  # longest a step waits for its grammar masks (a few us t
 
 @dataclass
 class EngineConfig:
+    # KV blocks in the pool; 0 on a GPU: sized by memory, ``kv_cache_memory_fraction`` of what
+    # is free after the weights and a profiled step at the largest batch (memory.py)
     num_blocks: int
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 64  # sequences per forward
@@ -60,6 +64,7 @@ class EngineConfig:
     # ranks that split the model's heads and feed-forward (tensor_parallel/): rank 0 here, the
     # others Ray actors in this actor's placement group, else child processes; one node, CPU only
     tensor_parallel_size: int = 1
+    kv_cache_memory_fraction: float = 0.9  # with num_blocks 0 (memory.py)
 
 
 class Engine:
@@ -83,14 +88,14 @@ class Engine:
         self._own_memory = None  # a shared pool made here for tensor-parallel ranks (closed by ``close``)
         if tp > 1:
             kv_memory = self._tensor_parallel_pool(model, kv_memory)
-        self.kv_cache = PagedKVCache(self.kv_spec, config.num_blocks, config.block_size, model.device, kv_memory)
+        sized_by_memory = config.num_blocks == 0
+        if sized_by_memory and (model.device.type != "cuda" or tp > 1):
+            raise ValueError(f"a KV pool sized by memory (num_blocks 0) needs the model on one GPU, not {model.device} at TP {tp}")
+        # sized by memory: a pool for the profiled step first, the sized one once the model is built
+        first_pool = (memory.profile_blocks(config), None) if sized_by_memory else (config.num_blocks, kv_memory)
+        self.kv_cache = PagedKVCache(self.kv_spec, first_pool[0], config.block_size, model.device, first_pool[1])
         device = self.kv_cache.device
         use_graphs = config.cuda_graphs if config.cuda_graphs is not None else (config.optimize and device.type == "cuda")
-        if use_graphs and config.num_blocks < 2:
-            raise ValueError("CUDA graphs take one KV block as scratch: the pool needs at least 2 blocks")
-        num_usable_blocks = config.num_blocks - 1 if use_graphs else config.num_blocks  # the last block is the graphs' scratch
-        self.block_manager = BlockManager(num_usable_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
         self.tp = None  # the tensor-parallel group (ranks 1 ..), or None on one rank
         threads = torch.get_num_threads() if device.type == "cpu" else 1
         if tp > 1:
@@ -106,6 +111,13 @@ class Engine:
         else:
             self.backend = backends.select(config.backend, self.kv_cache, threads)
             self.model = build_model(model, self.backend, max_model_len, quantized)  # raises UnsupportedModelError
+        if sized_by_memory:
+            config = self.config = self._size_pool(config, max_model_len, kv_memory)
+        if use_graphs and config.num_blocks < 2:
+            raise ValueError("CUDA graphs take one KV block as scratch: the pool needs at least 2 blocks")
+        num_usable_blocks = config.num_blocks - 1 if use_graphs else config.num_blocks  # the last block is the graphs' scratch
+        self.block_manager = BlockManager(num_usable_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.chunk_size)
         if config.optimize and device.type == "cpu":
             keep_freed_memory()
         graphs = None
@@ -114,6 +126,7 @@ class Engine:
             use_graphs = False
         if use_graphs:
             graphs = DecodeGraphs(self.model, self.kv_cache, config.num_blocks - 1, config.max_num_seqs, max_model_len, capture=device.type == "cuda")
+            graphs.capture_all()  # now, not while serving
         self.runner = ModelRunner(self.model, self.backend, graphs, self.tp)
         self.grammars = grammars
         self._masks: ThreadPoolExecutor | None = None  # fills grammar masks while a forward runs (started on first use)
@@ -122,6 +135,30 @@ class Engine:
         self.num_tokens_computed = 0
         self.busy_s = 0.0  # seconds spent in steps that ran a batch (autoscaling's busy fraction)
         self._publish_stats()
+
+    def _size_pool(self, config: EngineConfig, max_model_len: int, kv_memory: PoolMemory | None) -> EngineConfig:
+        """Profile the largest step over the small first pool, free it, and allocate the pool
+        ``memory.kv_blocks_for_memory`` gives (in ``kv_memory`` where given); returns the
+        config with its block count. Raises ValueError, in one line, where that pool cannot
+        hold one request of ``max_model_len`` tokens."""
+        device = self.kv_cache.device
+        peak = memory.profile_step_peak(self.model, self.backend, config)
+        self.kv_cache = self.backend.kv_cache = None
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(device)[0]
+        bytes_per_block = self.kv_spec.bytes_per_token * config.block_size
+        num_blocks = memory.kv_blocks_for_memory(free, peak, config.kv_cache_memory_fraction, bytes_per_block)
+        usable = num_blocks - 1 if (config.cuda_graphs if config.cuda_graphs is not None else config.optimize) else num_blocks
+        if usable * config.block_size < max_model_len:
+            raise ValueError(
+                f"the KV pool would hold {max(0, usable) * config.block_size} tokens ({config.kv_cache_memory_fraction} of the "
+                f"{free / 2**30:.2f} GiB free on {device} after the weights, less a {peak / 2**30:.2f} GiB step), less than one "
+                f"request of {max_model_len} tokens: raise kv_cache_memory_fraction, lower model.max_model_len or max_num_batched_tokens")
+        self.kv_cache = self.backend.kv_cache = PagedKVCache(self.kv_spec, num_blocks, config.block_size, device, kv_memory)
+        log.info("KV pool sized by memory: %d blocks (%d tokens, %.2f GiB) = %.2f of %.2f GiB free after the weights, less a "
+                 "%.2f GiB profiled step", num_blocks, num_blocks * config.block_size, self.kv_cache.nbytes / 2**30,
+                 config.kv_cache_memory_fraction, free / 2**30, peak / 2**30)
+        return dataclasses.replace(config, num_blocks=num_blocks)
 
     def _tensor_parallel_pool(self, model: Checkpoint, kv_memory: PoolMemory | None) -> PoolMemory:
         """The memory of a pool every rank maps: ``kv_memory`` where it is a shared file, else
@@ -281,25 +318,29 @@ class Engine:
         logits = self.runner.forward(batch)  # [len(batch), vocab]
         masks = dict(zip(map(id, constrained), masks_done.result(timeout=MASK_DEADLINE_S))) if constrained else {}  # [words] int32 each
         self.num_steps += 1
-        outputs = []
-        for (seq, num_new), row in zip(batch, logits):
+        finished, draws = [], []  # sequences that sample this step; one Draw per token to pick
+        for r, (seq, num_new) in enumerate(batch):
             computed_before = seq.num_computed_tokens
             seq.num_computed_tokens += num_new
             self.num_tokens_computed += num_new
             self.block_manager.mark_computed(seq, computed_before)
             if seq.num_uncomputed_tokens > 0:  # a prompt chunk; more to come
                 continue
-            if seq.grammar is not None:  # disallowed tokens at -inf: in the draw and in the logprobs, as vLLM masks them
-                row = self.backend.mask_logits_(row, masks[id(seq)])
-            if seq.params.n > 1:  # every choice's first token; its worker forks the blocks or hands them off
-                self._sample_choices(seq, row)
+            finished.append((seq, len(draws)))
+            mask = masks.get(id(seq))  # disallowed tokens at -inf: in the draw and in the logprobs, as vLLM masks them
+            for i in range(seq.params.n):  # n > 1: every choice's first token, drawn as its fork alone would be
+                draws.append(Draw(r, seq.params.fork(i), seq.num_tokens, seq.num_generated, seq.token_ids, seq.num_prompt_tokens, mask))
+        sampled = sample_batch(logits, draws, self.eos_token_ids, getattr(self.backend, "mask_logits_", None))  # on the logits' device
+        outputs = []
+        for seq, first in finished:
+            if seq.params.n > 1:  # its worker forks the blocks or hands them off
+                self._take_choices(seq, sampled.token_ids[first : first + seq.params.n], sampled.logprobs[first : first + seq.params.n])
                 outputs.append(seq)
                 continue
-            token = sample(row, seq.params, position=seq.num_tokens, num_generated=seq.num_generated, eos_token_ids=self.eos_token_ids,
-                           token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
+            token = sampled.token_ids[first]
             seq.token_ids.append(token)
             if seq.params.logprobs is not None:
-                seq.logprobs.append(token_logprob(row, token, seq.params.logprobs))
+                seq.logprobs.append(sampled.logprobs[first])
             seq.finish_reason = finish_reason(token, seq.num_generated, seq.params, self.eos_token_ids)
             if seq.grammar is not None:
                 if not seq.grammar.consume_token(token):
@@ -318,24 +359,21 @@ class Engine:
         self.busy_s += time.perf_counter() - start
         return outputs
 
-    def _sample_choices(self, seq: Sequence, row: torch.Tensor) -> None:
-        """``seq`` (params.n > 1, its prompt computed; ``row``: [vocab], masked) gets its n
-        choices' first tokens in ``seq.choices``, each drawn as the lone request with
-        ``params.fork(i)`` would draw it, and stops there: its blocks kept while a choice goes
-        on (``finish_reason`` None), freed when each has ended (choice 0's reason). Choice 0's
-        token and logprob are its own. Raises ValueError for a sequence that would go on
-        decoding in this engine: n > 1 is forked by a worker (``fork``), not here."""
+    def _take_choices(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
+        """``seq`` (params.n > 1, its prompt computed) gets its n choices' first tokens
+        (``tokens``, each drawn as the lone request with ``params.fork(i)`` would draw it, and
+        their ``logprobs``) in ``seq.choices``, and stops there: its blocks kept while a choice
+        goes on (``finish_reason`` None), freed when each has ended (choice 0's reason).
+        Choice 0's token and logprob are its own. Raises ValueError for a sequence that would
+        go on decoding in this engine: n > 1 is forked by a worker (``fork``), not here."""
         if not seq.stop_after_first_token or seq.num_generated:
             raise ValueError(f"{seq.request_id}: n > 1 stops at its first tokens, for its worker to fork")
         seq.choices = []
-        for i in range(seq.params.n):
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
             params = seq.params.fork(i)
-            token = sample(row, params, position=seq.num_tokens, num_generated=0, eos_token_ids=self.eos_token_ids,
-                           token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
             reason = finish_reason(token, 1, params, self.eos_token_ids)
             if reason is None and seq.grammar is not None and token in self.eos_token_ids:
                 reason = "stop"  # the mask allowed EOS: the grammar has ended (as consume_token + is_stopped finds)
-            logprob = token_logprob(row, token, params.logprobs) if params.logprobs is not None else None
             seq.choices.append(FirstToken(i, token, reason, logprob))
         first = seq.choices[0]
         seq.token_ids.append(first.token_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.backends.base import Backend
-from pdserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureFailed
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.sequence import Sequence
 
 
@@ -28,13 +28,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run one step over (sequence, new tokens) pairs; returns logits [len(batch), vocab]
-        (float32, on the CPU, where sampling runs) at each sequence's last new token."""
+        at each sequence's last new token, on the model's device, where the sampler runs
+        (sampler.py; a graph's output buffer, valid until the next step)."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            try:
-                return self.graphs.forward(batch)
-            except GraphCaptureFailed:  # logged; this and every later step run eagerly
-                pass
+            return self.graphs.forward(batch)
         meta = self.backend.prepare(batch)
         if self.tp is not None:
             self.tp.broadcast(meta)
-        return self.model.forward(meta).cpu()
+        return self.model.forward(meta)

@@ -98,7 +98,7 @@ def test_engine_on_a_gpu_decodes_batched_prompts_as_generate_does(cuda_graphs):
     from test_engine import assert_all_blocks_free, generate_all, random_prompts
 
     model = tiny_model("llama").to("cuda")
-    config = EngineConfig(num_blocks=128, block_size=4, chunk_size=32, max_num_batched_tokens=64, optimize=cuda_graphs)
+    config = EngineConfig(num_blocks=64, block_size=16, chunk_size=32, max_num_batched_tokens=64, optimize=cuda_graphs)
     engine = Engine(model, config, frozenset({2}), 512)
     assert engine.kv_cache.k.is_cuda
     assert (engine.runner.graphs is not None) == cuda_graphs  # on by default on a GPU; optimize=False turns it off
@@ -106,9 +106,9 @@ def test_engine_on_a_gpu_decodes_batched_prompts_as_generate_does(cuda_graphs):
     seqs = generate_all(engine, prompts, 12)
     for seq, prompt in zip(seqs, prompts):
         assert seq.token_ids[len(prompt):] == reference_generate(model, prompt, 12, ignore_eos=True)
-    if cuda_graphs:  # the decode steps replayed graphs: 4 sequences, then fewer as they finish
-        assert all(step.graph is not None for step in engine.runner.graphs.steps.values())
-        assert (4, 32) in engine.runner.graphs.steps  # 70 + 12 tokens: 21 blocks of 4, bucket 32
+    if cuda_graphs:  # every bucket captured at start; the decode steps replayed them (4 sequences, then fewer)
+        graphs = engine.runner.graphs
+        assert sorted(graphs.steps) == graphs.batch_sizes and all(step.graph is not None for step in graphs.steps.values())
     assert_all_blocks_free(engine)
 
 
@@ -140,3 +140,25 @@ def test_cluster_on_gpus_moves_kv_over_cuda_ipc_and_equals_the_reference(layout,
         assert decode["kv_num_fetched_cuda_ipc"] == len(prompts)
     finally:
         next(cluster_gen, None)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_pool_sized_by_memory_takes_the_fraction_left_after_the_weights_and_a_step():
+    from conftest import reference_generate, tiny_model
+    from pdserve.engine.engine import Engine, EngineConfig
+    from test_engine import assert_all_blocks_free, generate_all, random_prompts
+
+    model = tiny_model("llama").to("cuda")
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    engine = Engine(model, EngineConfig(num_blocks=0, kv_cache_memory_fraction=0.05), frozenset({2}), 512)
+    pool = engine.kv_cache.nbytes
+    assert engine.config.num_blocks > 0 and 0.04 * free_before < pool <= 0.05 * free_before  # a tiny model's step is small
+    prompts = random_prompts([3, 40], seed=12)
+    seqs = generate_all(engine, prompts, 8)
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.token_ids[len(prompt):] == reference_generate(model, prompt, 8, ignore_eos=True)
+    assert_all_blocks_free(engine)
+    del engine
+    torch.cuda.empty_cache()

@@ -92,7 +92,6 @@ def test_engine_forks_after_drawing_every_choices_first_token(real, alone):
     engine.add(parent)
     run_to_completion(engine)
     assert [c.index for c in parent.choices] == list(range(N)) and parent.finish_reason is None
-    assert len({c.token_id for c in parent.choices}) > 1  # seeds differ: the draws do
     tables = engine.fork(parent.block_table, len(prompt), N)
     assert engine.block_manager.num_free_blocks == 64 - len(parent.block_table) - (N - 1) * (len(prompt) % 16 != 0)
     kids = [Sequence("p", [*prompt, c.token_id], len(prompt), PARAMS.fork(c.index), num_computed_tokens=len(prompt), block_table=t, index=c.index)
@@ -102,6 +101,7 @@ def test_engine_forks_after_drawing_every_choices_first_token(real, alone):
         engine.add(kid)
     run_to_completion(engine)
     assert {k.index: lone_outputs(k) for k in kids} == alone
+    assert len({tuple(lone_outputs(k)[0]) for k in kids}) > 1  # seeds differ: the draws do (12 tokens each)
     assert_all_blocks_free(engine)
 
 

@@ -1,64 +1,65 @@
 """The ``cuda`` backend's own code (pdserve/engine/backends/cuda.py) on the CPU device.
 
 ``backends.resolve`` refuses ``cuda`` off a GPU unless a test sets TEST_CUDA_ON_CPU_ENV, as
-every test here does: the engine then runs CudaBackend on the CPU, and its greedy ids must
-equal model.generate's token for token (float32, tiny Llama and Qwen2), and each sampled
-token's logprob the reference's within LOGPROB_ATOL: these random-weight models' greedy ids
-alone survived an attention mask that hid each chunk row from itself. An SDPA spy in the
-backend's module records which attention paths ran, so a workload that stops reaching one
-(a whole prompt, a chunk after cached tokens under its offset mask, the gathered padded
-decode) fails here instead of passing untested. Graph capture and GPU numerics run on a GPU
-only (tests/gpu/test_gpu.py).
+every test here does: the engine then runs CudaBackend on the CPU, FlexAttention eagerly over
+the paged pool, and its greedy ids must equal model.generate's token for token (float32,
+every family), and each sampled token's logprob the reference's within LOGPROB_ATOL. A spy
+on the backend's ``attend`` records which mask kinds ran (decode rows, query blocks,
+windows) and checks that every block mask lists each key its mask_mod lets through: a GPU
+kernel reads listed blocks only, the eager CPU path reads them all, so this is what keeps
+the two the same. A step's tensor ops are counted too: the same for 1 and 32 sequences.
+Graph capture and GPU numerics run on a GPU only (tests/gpu/test_gpu.py).
 """
+
+import os
+import sys
+from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional
+from torch.overrides import TorchFunctionMode
 
 from conftest import reference_generate, tiny_model
 from pdserve.engine import backends
-from pdserve.engine.backends import cuda
+from pdserve.engine.backends import cuda, flex_paged
 from pdserve.engine.backends.cuda import CudaBackend
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling import SamplingParams
 from test_engine import EOS, assert_all_blocks_free, random_prompts, run_to_completion
 
-# float32 on the CPU: batched matmuls and SDPA round unlike HF's one-sequence forward by ~1e-6;
-# a wrong mask or a misplaced K/V moves a logprob by orders of magnitude more
+# float32 on the CPU: batched matmuls and attention round unlike HF's one-sequence forward by
+# ~1e-6; a wrong mask or a misplaced K/V moves a logprob by orders of magnitude more
 LOGPROB_ATOL = 1e-4
 
 
+def dense_mask(mask: flex_paged.PagedMask, num_queries: int, slots: int) -> torch.Tensor:
+    """[B, 1, Q, slots] bool: the mask_mod at every (row, query, key)."""
+    B = mask.block_mask.kv_indices.shape[0]
+    b, q, kv = torch.arange(B)[:, None, None], torch.arange(num_queries)[None, :, None], torch.arange(slots)[None, None, :]
+    return mask.block_mask.mask_mod(b, 0, q, kv).expand(B, num_queries, slots)[:, None]
+
+
 class AttentionSpy:
-    """Stands in for ``torch.nn.functional`` in cuda.py: counts the SDPA calls by path."""
+    """Wraps cuda.attend: counts calls by mask kind and checks each mask's block lists."""
 
     def __init__(self):
-        self.calls = {"causal": 0, "offset_mask": 0, "decode_mask": 0, "one_token": 0}
-        self.gathers = {"new": 0, "workspace": 0}
+        self.calls = Counter()
 
-    def __getattr__(self, name):
-        return getattr(torch.nn.functional, name)
-
-    def scaled_dot_product_attention(self, q, k, v, attn_mask=None, is_causal=False, **kwargs):
-        if attn_mask is not None:  # [1, 1, new, context] for a chunk, [batch, 1, 1, blocks * bs] for decode
-            self.calls["offset_mask" if attn_mask.shape[2] > 1 else "decode_mask"] += 1
-        else:
-            self.calls["causal" if is_causal else "one_token"] += 1
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+    def __call__(self, q, k_pool, v_pool, mask, scale, softcap=None):
+        self.calls["decode" if mask.decode else "blocks"] += 1
+        if softcap is not None:
+            self.calls["softcap"] += 1
+        queries = 1 if mask.decode else q.shape[0]
+        assert flex_paged.covers(mask, dense_mask(mask, queries, k_pool.shape[1]))
+        return flex_paged.attend(q, k_pool, v_pool, mask, scale, softcap)
 
 
 @pytest.fixture
 def spy(monkeypatch):
     monkeypatch.setenv(backends.TEST_CUDA_ON_CPU_ENV, "1")
     spy = AttentionSpy()
-    monkeypatch.setattr(cuda, "F", spy)
-    gather = cuda.gather_blocks
-
-    def counting_gather(blocks, block_ids, out=None):
-        spy.gathers["new" if out is None else "workspace"] += 1
-        return gather(blocks, block_ids, out)
-
-    monkeypatch.setattr(cuda, "gather_blocks", counting_gather)
+    monkeypatch.setattr(cuda, "attend", spy)
     return spy
 
 
@@ -110,27 +111,26 @@ def test_batched_chunked_prefill_and_decode_equal_generate(family, spy):
         assert_equals_reference(reference, seq, prompt, 12)
         assert seq.finish_reason == "length"
     assert engine.num_steps < 8 * 12  # sequences shared forwards
-    if family in ("mistral_window", "gemma2", "deepseek_v2"):  # every layer windowed, soft-capped or latent: torch rows, no masks
+    if family == "deepseek_v2":  # latent attention: the base class's torch rows
+        assert not spy.calls
         return
-    # whole prompts, later 16-token chunks of the 17-, 40- and 64-token prompts, decode rows
-    # beside prompt chunks, and decode-only steps through the gathered padded batch
-    assert all(spy.calls.values()), spy.calls
-    assert spy.gathers["new"] > 0 and spy.gathers["workspace"] == 0  # no graphs: fresh gathers
+    # whole prompts, later 16-token chunks of the 17-, 40- and 64-token prompts and decode rows
+    # beside prompt chunks (query blocks), and decode-only steps (a row per sequence)
+    assert spy.calls["decode"] > 0 and spy.calls["blocks"] > 0, spy.calls
+    assert (spy.calls["softcap"] > 0) == (family == "gemma2")
     assert_all_blocks_free(engine)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_prefix_cache_hit_runs_the_offset_mask_and_equals_generate(family, spy):
+def test_a_prefix_cache_hit_attends_to_the_cached_blocks_and_equals_generate(family, spy):
     model, reference = tiny_model(family), tiny_model(family)
     engine = cuda_engine(model, num_blocks=64, block_size=4)
     prompt = random_prompts([41])[0]
     assert_equals_reference(reference, generate_all(engine, [prompt], 8)[0], prompt, 8)
     # a prompt sharing the first 9 tokens: 2 blocks cached, its other 21 tokens one chunk after them
     other = prompt[:9] + random_prompts([20], seed=5)[0]
-    spy.calls["offset_mask"] = 0
     third = generate_all(engine, [other], 4)[0]
     assert third.num_cached_tokens == 8
-    assert spy.calls["offset_mask"] == model.config.num_hidden_layers  # that one chunk, in every layer
     assert_equals_reference(reference, third, other, 4)
     assert_all_blocks_free(engine)
 
@@ -144,13 +144,13 @@ def test_preemption_recomputes_and_still_equals_generate(spy):
     assert engine.scheduler.num_preemptions > 0
     for seq, prompt in zip(seqs, prompts):
         assert_equals_reference(reference, seq, prompt, 30)
-    assert spy.calls["decode_mask"] > 0
+    assert spy.calls["decode"] > 0
     assert_all_blocks_free(engine)
 
 
-def test_padded_static_decode_steps_gather_into_the_workspaces_and_equal_generate(spy):
+def test_padded_static_decode_steps_equal_generate(spy):
     """``cuda_graphs=True`` on the CPU: the padded static-shape decode steps a graph would
-    record, run eagerly, gathering into DecodeGraphs' workspaces."""
+    record, run eagerly, their block masks rebuilt from the static inputs every step."""
     model, reference = tiny_model("qwen2"), tiny_model("qwen2")
     engine = cuda_engine(model, 128, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, chunk_size=32, cuda_graphs=True)
     graphs = engine.runner.graphs
@@ -160,6 +160,86 @@ def test_padded_static_decode_steps_gather_into_the_workspaces_and_equal_generat
     seqs = generate_all(engine, prompts, 10)
     for seq, prompt in zip(seqs, prompts):
         assert_equals_reference(reference, seq, prompt, 10)
-    assert (8, 32) in graphs.steps and graphs.failed is None
-    assert spy.gathers["workspace"] > 0 and spy.calls["decode_mask"] > 0
+    assert sorted(graphs.steps) == [1, 2, 4, 8] and graphs.failed is None
+    assert spy.calls["decode"] > 0
     assert_all_blocks_free(engine)
+
+
+def reference_mask(tables: list[list[int]], lens: list[int], token_seq: list[int], positions: list[int], bs: int, slots: int,
+                   window: int | None) -> torch.Tensor:
+    """[N, slots] bool, one query at a time in Python: the keys query t may see."""
+    out = torch.zeros(len(token_seq), slots, dtype=torch.bool)
+    for t, (s, p) in enumerate(zip(token_seq, positions)):
+        for pos in range(p + 1):
+            if window is None or pos > p - window:
+                out[t, tables[s][pos // bs] * bs + pos % bs] = True
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_block_mask_is_each_querys_own_keys_and_lists_them(window):
+    """Three sequences in one step (a 9-token chunk after 8 cached tokens, a 3-token prompt, a
+    decode row), the first two sharing a prefix block, all in one query block: the mask lets a
+    query see exactly its sequence's keys up to its position (within the window), and the
+    query block lists the shared block once. With a window, row 2's first block (outside its
+    window, so freed) is in row 1's table too. A decode-only step: each row its own table."""
+    bs, num_blocks = 4, 12
+    tables = [[3, 7, 1, 9, 11], [3, 5, 0, 0, 0], [2, 4, 6, 8, 10]]  # row 1's table padded with block 0
+    if window is not None:
+        tables[1][1] = 2
+    lens = [17, 7, 17]
+    token_seq = [0] * 9 + [1] * 3 + [2]
+    positions = list(range(8, 17)) + [4, 5, 6] + [16]
+    slots = num_blocks * bs
+    mask = flex_paged.PagedMask.build(torch.tensor(tables, dtype=torch.int32), torch.tensor(lens), torch.tensor(token_seq, dtype=torch.int32),
+                                      torch.tensor(positions), num_blocks, bs, decode=False, window=window)
+    dense = dense_mask(mask, len(token_seq), slots)
+    assert torch.equal(dense[0, 0], reference_mask(tables, lens, token_seq, positions, bs, slots, window))
+    assert flex_paged.covers(mask, dense)
+    listed = mask.block_mask.kv_indices[0, 0, 0, : int(mask.block_mask.kv_num_blocks[0, 0, 0])].tolist()
+    assert len(listed) == len(set(listed)) and 3 in listed  # the shared block, once
+    decode = flex_paged.PagedMask.build(torch.tensor(tables, dtype=torch.int32), torch.tensor(lens), torch.arange(3, dtype=torch.int32),
+                                        torch.tensor(lens) - 1, num_blocks, bs, decode=True, window=window)
+    dense = dense_mask(decode, 1, slots)
+    assert torch.equal(dense[:, 0, 0], reference_mask(tables, lens, [0, 1, 2], [n - 1 for n in lens], bs, slots, window))
+    assert flex_paged.covers(decode, dense)
+
+
+class CountOps(TorchFunctionMode):
+    """Counts the torch calls pdserve's own code makes (functions and tensor methods), by name
+    and line (torch's internals, e.g. its compile caches, are not ours to count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():  # flex_attention's eager path traces itself: torch's, not ours
+            return func(*args, **(kwargs or {}))
+        caller = sys._getframe(1)
+        if f"{os.sep}pdserve{os.sep}" in caller.f_code.co_filename:
+            self.ops[(getattr(func, "__name__", str(func)), caller.f_code.co_filename.rsplit(os.sep, 1)[-1], caller.f_lineno)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_runs_the_same_tensor_ops_for_1_and_for_32_sequences(monkeypatch):
+    """No per-sequence Python calls into torch: a prefill step and a decode step of 1 sequence
+    and of 32 run the same ops, as many times (the step's metadata is built from Python lists,
+    then one op per tensor)."""
+    monkeypatch.setenv(backends.TEST_CUDA_ON_CPU_ENV, "1")
+    model = tiny_model("llama")
+
+    def count(num_seqs: int) -> tuple[Counter, Counter]:
+        engine = cuda_engine(model, num_blocks=256, block_size=4, max_num_seqs=32, max_num_batched_tokens=1024, chunk_size=1024)
+        for i, p in enumerate(random_prompts([5 + i % 7 for i in range(num_seqs)], seed=num_seqs)):
+            engine.add(Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=4, ignore_eos=True)))
+        with CountOps() as prefill:
+            engine.step()
+        with CountOps() as decode:
+            engine.step()
+        run_to_completion(engine)
+        return prefill.ops, decode.ops
+
+    one, many = count(1), count(32)
+    for a, b in zip(one, many):
+        assert a == b, (a - b, b - a)

@@ -9,17 +9,14 @@ scratch block, padding rows confined to it. Capture and replay themselves run on
 import torch
 
 from conftest import reference_generate, tiny_model
-from pdserve.engine.cuda_graphs import batch_buckets, block_buckets
+from pdserve.engine.cuda_graphs import batch_buckets
 from pdserve.engine.engine import Engine, EngineConfig
 from test_engine import EOS, assert_all_blocks_free, generate_all, random_prompts
 
 
-def test_buckets_cover_every_batch_and_context():
+def test_buckets_cover_every_batch():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert batch_buckets(5) == [1, 2, 4, 8]
-    assert block_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert block_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
-    assert block_buckets(1) == [1]
 
 
 def test_padded_static_decode_steps_equal_generate_and_touch_only_the_scratch_block():
@@ -28,15 +25,16 @@ def test_padded_static_decode_steps_equal_generate_and_touch_only_the_scratch_bl
     engine = Engine(model, config, EOS, 128)
     graphs = engine.runner.graphs
     assert engine.block_manager.num_blocks == 63 and graphs.scratch_block == 63  # the last block is scratch, never handed out
-    assert graphs.block_counts == [1, 2, 4, 8, 16, 32]  # 128 tokens: 32 blocks of 4
+    assert graphs.max_blocks == 32  # 128 tokens: 32 blocks of 4, every table's width
+    assert sorted(graphs.steps) == [1, 2, 4, 8]  # every bucket made at start
+    made = dict(graphs.steps)
     prompts = random_prompts([1, 5, 6, 13, 40, 3, 70], seed=3)  # 7 sequences: padded to 8
     engine.kv_cache.k.normal_()  # garbage where no sequence wrote: masked out, never read
     pool_before = engine.kv_cache.k.clone()
     seqs = generate_all(engine, prompts, 10)
     for seq, prompt in zip(seqs, prompts):
         assert seq.token_ids[len(prompt):] == reference_generate(reference, prompt, 10, ignore_eos=True)
-    assert (8, 32) in graphs.steps  # all seven together, the 70-token prompt's 20 blocks padded to 32
-    assert {n for n, _ in graphs.steps} >= {1, 8}  # and the 70-token one alone at the end, unpadded
+    assert graphs.steps == made  # nothing made while serving
     # every block no sequence held is as it was, but the scratch block (padding rows write there)
     used = {b for seq in seqs for b in seq.block_table} | set(range(sum(-(-(len(p) + 10) // 4) for p in prompts)))
     unused = [b for b in range(63) if b not in used]
@@ -62,7 +60,7 @@ def test_preempted_and_batch_one_sequences_through_static_steps_equal_generate()
 def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
     from pdserve.engine import cuda_graphs
 
-    def fail(self, num_seqs, num_blocks):
+    def fail(self, num_seqs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_new_step", fail)

@@ -509,3 +509,23 @@ def test_the_router_releases_a_lease_at_the_replica_that_holds_it():
     receiver.close()
     for server in replicas:
         server.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_ipc_checksums_catch_a_changed_word_and_swapped_blocks_per_layer(dtype):
+    """kv_transfer/cuda_ipc_backend.py ``layer_checksums``, on the CPU device (the same torch
+    ops a GPU runs): one int64 per layer, computed with no host sync, fixed64-sized; a word
+    changed in one layer changes that layer's sum alone, and blocks in another order change
+    every layer's."""
+    from kv_transfer.cuda_ipc_backend import layer_checksums
+
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(3, 2, 64, 8, generator=gen).to(dtype) for _ in range(2))  # [layers, kv_heads, slots, head_dim]
+    ids = torch.tensor([5, 1, 9])
+    sums = layer_checksums(k, v, ids, 4)
+    assert sums.dtype == torch.int64 and sums.shape == (3,) and bool((sums >= 0).all())
+    assert torch.equal(sums, layer_checksums(k.clone(), v.clone(), ids, 4))
+    changed = v.clone()
+    changed[1, 1, 9 * 4 + 3, 7] += 1  # layer 1, the last block's last token
+    assert (layer_checksums(k, changed, ids, 4) != sums).tolist() == [False, True, False]
+    assert (layer_checksums(k, v, torch.tensor([1, 5, 9]), 4) != sums).all()

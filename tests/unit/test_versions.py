@@ -138,7 +138,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 @pytest.mark.parametrize("backend_class", [TorchBackend, CudaBackend], ids=["torch", "cuda-on-cpu"])
 def test_backend_attention_with_grouped_kv_heads_equals_the_reference(backend_class):
     """A prompt of 6 tokens over two blocks, then one decode step, through the backend's own
-    forward (its SDPA calls pass enable_gqa): each row equals reference_attention's."""
+    forward (torch: SDPA with enable_gqa; cuda: FlexAttention with enable_gqa): each row
+    equals reference_attention's."""
     g = torch.Generator().manual_seed(1)
     total, prompt, scale = 7, 6, HEAD_DIM ** -0.5
     q = torch.randn(total, HEADS, HEAD_DIM, generator=g)
@@ -148,8 +149,9 @@ def test_backend_attention_with_grouped_kv_heads_equals_the_reference(backend_cl
     out = [backend.forward(0, q[:prompt], k[:prompt], v[:prompt], backend.prepare([(seq, prompt)]), scale)]
     seq.num_computed_tokens = prompt
     meta = backend.prepare([(seq, 1)])
-    assert meta.decode_only and (backend_class is TorchBackend or "mask" in meta.extra)  # cuda: its batched decode path
+    assert meta.decode_only
     out.append(backend.forward(0, q[prompt:], k[prompt:], v[prompt:], meta, scale))
+    assert backend_class is TorchBackend or meta.extra["paged"][None].decode  # cuda: its batch of one-query rows
     torch.testing.assert_close(torch.cat(out), reference_attention(q, k, v, scale))
 
 

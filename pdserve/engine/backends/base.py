@@ -23,7 +23,6 @@ import torch
 
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.quantized import QuantizedWeight
-from pdserve.structured import apply_mask
 
 
 @dataclass
@@ -240,8 +239,3 @@ class Backend(ABC):
     @abstractmethod
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [M, 2I] -> silu(gate) * up: [M, I]."""
-
-    def mask_logits_(self, row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """A grammar's mask on ``row: [vocab]`` logits, in place: -inf where token t's bit in
-        ``mask: [ceil(vocab / 32)]`` int32 is clear (pdserve/structured.py). Returns row."""
-        return row.copy_(apply_mask(row, mask))

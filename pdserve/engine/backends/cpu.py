@@ -133,7 +133,8 @@ class CpuBackend(Backend):
         return x
 
     def mask_logits_(self, row, mask):
-        return ops.mask_logits_(row, mask) if row.is_contiguous() else super().mask_logits_(row, mask)
+        """A grammar's mask on ``row: [vocab]`` float32 logits, in place (sampler.py): the C loop."""
+        return ops.mask_logits_(row, mask)
 
     def silu_mul(self, gate_up):
         return ops.silu_mul(gate_up, self.num_threads)
