@@ -161,14 +161,16 @@ def _race(probs: torch.Tensor, params: list[SamplingParams], positions: list[int
 def _draw(x: torch.Tensor, draws: list[Draw], which: list[int]) -> torch.Tensor:
     """Sampled ids [len(which)] (int64, on x's device) of rows ``which`` of x [D, vocab].
 
-    Temperature, then min-p over the whole vocabulary. A row with top-k draws among its k
-    most likely tokens (``torch.topk``, rows grouped by k; ties at the k-th value are cut at
-    k, where the reference keeps them all), its probabilities renormalised over them, top-p
-    applied over them in order; without min-p its candidates come from the unscaled logits
-    (temperature keeps their order) and only they are scaled. A row with top-p alone searches
-    its CANDIDATES most likely tokens first (their probabilities over the whole vocabulary)
-    and sorts the whole row only where those do not reach top_p (one small copy to the host
-    says which). Other rows race over the whole vocabulary."""
+    Temperature, then min-p over the whole vocabulary. A row with top-k takes its 2k + 16
+    most likely tokens (``torch.topk``, rows grouped by that count) and keeps the k and every
+    token tied with the k-th (as the reference does), its probabilities renormalised over
+    them, top-p applied over them in order; without min-p its candidates come from the
+    unscaled logits (temperature keeps their order) and only they are scaled. A row with
+    top-p alone searches its CANDIDATES most likely tokens first (their probabilities over
+    the whole vocabulary). A row goes through the reference's whole-row path instead where
+    its candidates do not settle it: the ties with the k-th run past them, or they do not
+    pass top_p of the mass (one small copy to the host says which). Rows with no filter race
+    over the whole vocabulary."""
     dev, vocab = x.device, x.shape[1]
     params = [draws[i].params for i in which]
     positions = [draws[i].position for i in which]
@@ -187,41 +189,54 @@ def _draw(x: torch.Tensor, draws: list[Draw], which: list[int]) -> torch.Tensor:
     ids = torch.empty(len(which), dtype=torch.long, device=dev)
     groups: dict[tuple[int, bool], list[int]] = {}  # (candidates, read from y) -> rows
     for r, p in enumerate(params):
-        if p.top_k > 0 or p.top_p < 1:
-            groups.setdefault((min(p.top_k if p.top_k > 0 else CANDIDATES, vocab), r in y_at), []).append(r)
+        if p.top_k > 0 or p.top_p < 1:  # top-k: twice k and 16 more, for the tokens that tie with the k-th
+            groups.setdefault((min(2 * p.top_k + 16 if p.top_k > 0 else CANDIDATES, vocab), r in y_at), []).append(r)
     whole = [r for r, p in enumerate(params) if p.top_k <= 0 and p.top_p >= 1]  # no filter: the whole vocabulary
     for (k, from_y), rows in sorted(groups.items()):
         idx = _rows(rows, dev)
-        if from_y:
-            z = y.index_select(0, _rows([y_at[r] for r in rows], dev))  # [G, vocab]
-            vals, cand = torch.topk(z, k, dim=-1)  # [G, k] most likely first
-        else:  # top-k without min-p: only the candidates are scaled
-            vals, cand = torch.topk(x.index_select(0, _rows([which[r] for r in rows], dev)), k, dim=-1)
+        z = y.index_select(0, _rows([y_at[r] for r in rows], dev)) if from_y else x.index_select(0, _rows([which[r] for r in rows], dev))
+        vals, cand = torch.topk(z, k, dim=-1)  # [G, k] most likely first (unscaled where not from_y)
+        by_k = torch.tensor([params[r].top_k > 0 for r in rows], device=dev)[:, None]
+        kth = vals.gather(1, torch.tensor([[min(max(params[r].top_k, 1), k) - 1] for r in rows], device=dev))  # [G, 1] the k-th value
+        kth = torch.where(by_k, kth, -math.inf)
+        settled = ~by_k | (vals[:, -1:] < kth) | (k >= vocab)  # top-k: every tie with the k-th is among the candidates
+        vals = vals.masked_fill(vals < kth, -math.inf)  # top-k: the k and their ties
+        if not from_y:
             vals = vals / temps[rows]
         top_k_only = all(params[r].top_k > 0 for r in rows)
-        by_k = torch.tensor([params[r].top_k > 0 for r in rows], device=dev)[:, None]
         log_norm = torch.logsumexp(vals, -1, keepdim=True)  # [G, 1]
         if not top_k_only:  # top-p alone: normalised over the whole vocabulary
             log_norm = torch.where(by_k, log_norm, torch.logsumexp(z, -1, keepdim=True))
         probs = torch.exp(vals - log_norm)  # [G, k]: over the k (top-k), over the vocabulary (top-p alone)
         top_p = torch.tensor([params[r].top_p for r in rows], device=dev)[:, None]
         cum = torch.cumsum(probs, dim=-1)
-        if not top_k_only:  # top-p alone: do its candidates hold top_p of the mass?
-            whole += [r for r, ok in zip(rows, (by_k | (cum[:, -1:] >= top_p))[:, 0].tolist()) if not ok]
+        # top-p alone: the candidates settle it where they hold more than top_p (the next token's mass before it)
+        settled &= by_k | (cum[:, -1:] > top_p) | (k >= vocab)
+        whole += [r for r, ok in zip(rows, settled[:, 0].tolist()) if not ok]
         probs.masked_fill_(cum - probs > top_p, 0.0)
         picked = cand.gather(1, _race(probs, [params[r] for r in rows], [positions[r] for r in rows])[:, None])[:, 0]
         ids.index_copy_(0, idx, picked)
-    if whole:
+    if whole:  # the reference's path: the whole row, top-k by its k-th value, top-p by a sort
         whole.sort()
-        probs = torch.softmax(y.index_select(0, _rows([y_at[r] for r in whole], dev)), dim=-1)  # [W, vocab]
-        sort_rows = [w for w, r in enumerate(whole) if params[r].top_p < 1]  # top-p alone, past its candidates
+        w_rows = _rows(whole, dev)
+        zw = x.index_select(0, _rows([which[r] for r in whole], dev)) / temps[whole]  # [W, vocab]
+        with_y = [w for w, r in enumerate(whole) if r in y_at]
+        if with_y:  # (min-p already applied there)
+            zw.index_copy_(0, _rows(with_y, dev), y.index_select(0, _rows([y_at[whole[w]] for w in with_y], dev)))
+        for k in sorted({params[r].top_k for r in whole if params[r].top_k > 0}):
+            ks = _rows([w for w, r in enumerate(whole) if params[r].top_k == k], dev)
+            zk = zw.index_select(0, ks)
+            kth = torch.topk(zk, min(k, vocab), dim=-1).values[:, -1:]
+            zw.index_copy_(0, ks, zk.masked_fill(zk < kth, -math.inf))
+        probs = torch.softmax(zw, dim=-1)  # [W, vocab]
+        sort_rows = [w for w, r in enumerate(whole) if params[r].top_p < 1]
         if sort_rows:
             sidx = _rows(sort_rows, dev)
             sorted_probs, order = torch.sort(probs.index_select(0, sidx), dim=-1, descending=True)
             ps = torch.tensor([params[whole[w]].top_p for w in sort_rows], device=dev)[:, None]
             sorted_probs.masked_fill_(torch.cumsum(sorted_probs, dim=-1) - sorted_probs > ps, 0.0)
             probs.index_copy_(0, sidx, torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs))
-        ids.index_copy_(0, _rows(whole, dev), _race(probs, [params[r] for r in whole], [positions[r] for r in whole]))
+        ids.index_copy_(0, w_rows, _race(probs, [params[r] for r in whole], [positions[r] for r in whole]))
     return ids
 
 
@@ -253,13 +268,15 @@ def sample_batch(logits: torch.Tensor, draws: list[Draw], eos_token_ids: frozens
         ids.index_copy_(0, _rows(sampled, dev), _draw(x, draws, sampled))
     out: list[TokenLogprob | None] = [None] * len(draws)
     if want:
-        num_top = max(draws[i].params.logprobs for i in want)
-        chosen = logprobs.gather(1, ids.index_select(0, _rows(want, dev))[:, None])[:, 0]  # [W]
-        top = torch.topk(logprobs, num_top, dim=-1) if num_top else None
-        chosen_l = chosen.tolist()
-        top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else ([[]] * len(want), [[]] * len(want))
+        chosen = logprobs.gather(1, ids.index_select(0, _rows(want, dev))[:, None])[:, 0].tolist()  # [W]
+        tops: dict[int, tuple[list, list]] = {}  # draw -> (values, ids) of its own top-n
+        for n in sorted({draws[i].params.logprobs for i in want if draws[i].params.logprobs}):  # per n: a draw's list is its own
+            at = [w for w, i in enumerate(want) if draws[i].params.logprobs == n]
+            top = torch.topk(logprobs.index_select(0, _rows(at, dev)), n, dim=-1)
+            for w, values, indices in zip(at, top.values.tolist(), top.indices.tolist()):
+                tops[want[w]] = (values, indices)
     token_ids = ids.tolist()  # the one copy of the ids to the host
     for w, i in enumerate(want):
-        n = draws[i].params.logprobs
-        out[i] = TokenLogprob(token_ids[i], chosen_l[w], [TopLogprob(t, v) for t, v in zip(top_i[w][:n], top_v[w][:n])])
+        values, indices = tops.get(i, ([], []))
+        out[i] = TokenLogprob(token_ids[i], chosen[w], [TopLogprob(t, v) for t, v in zip(indices, values)])
     return Sampled(token_ids, out)

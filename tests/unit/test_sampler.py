@@ -217,3 +217,34 @@ def test_the_cpu_backends_mask_kernel_and_the_torch_ops_mask_the_same():
     for d in draws[::2]:
         d.mask = torch.tensor([rng.getrandbits(32) - (1 << 31) for _ in range(-(-VOCAB // 32))], dtype=torch.int32)
     assert sample_batch(logits, draws, EOS, ops.mask_logits_) == sample_batch(logits, draws, EOS)
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_as_the_reference():
+    for row, k, support in (([2.0, 2.0, 2.0, 0.0], 1, {0, 1, 2}), ([3.0, 2.0, 2.0, 2.0, 0.0], 2, {0, 1, 2, 3})):
+        logits = torch.tensor([row])
+        draws = [Draw(0, SamplingParams(temperature=1.0, top_k=k, seed=s), position=0) for s in range(300)]
+        assert set(sample_batch(logits, draws).token_ids) == support
+        assert {sample(logits[0], d.params, 0) for d in draws} == support
+    # more ties than the candidates hold (2k + 16): the whole row, as the reference keeps it
+    got = sample_batch(torch.zeros(1, 200), [Draw(0, SamplingParams(temperature=1.0, top_k=5, seed=s), position=0) for s in range(300)])
+    assert len(set(got.token_ids)) > 100
+
+
+def test_a_nucleus_that_exactly_fills_the_candidates_takes_the_next_token_too(monkeypatch):
+    """8 equal logits, top_p 0.5, 4 candidates (sampler.CANDIDATES set low): the candidates
+    hold exactly 0.5, so the reference's nucleus has a fifth token (a token is kept while the
+    mass before it is at most top_p): the whole row is sorted and 5 tokens are drawn."""
+    from pdserve.engine import sampler
+
+    monkeypatch.setattr(sampler, "CANDIDATES", 4)
+    logits = torch.zeros(1, 8)
+    draws = [Draw(0, SamplingParams(temperature=1.0, top_p=0.5, seed=s), position=0) for s in range(400)]
+    assert len(set(sample_batch(logits, draws).token_ids)) == 5 == len({sample(logits[0], d.params, 0) for d in draws})
+
+
+def test_a_draws_top_logprobs_are_its_own_whatever_the_batch_asks():
+    logits = torch.zeros(2, VOCAB)  # every token tied: which ids come first is topk's choice for that n
+    few = Draw(0, SamplingParams(logprobs=2), position=0)
+    alone = sample_batch(logits, [few]).logprobs[0]
+    beside = sample_batch(logits, [few, Draw(1, SamplingParams(logprobs=20), position=0)]).logprobs[0]
+    assert alone == beside and len(alone.top) == 2

@@ -24,13 +24,17 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.backends.base import StepMetadata
-from pdserve.engine.backends.flex_paged import PagedMask, attend
+from pdserve.engine.backends.flex_paged import PagedMask, attend, check_block_size
 from pdserve.engine.backends.torch_sdpa import TorchBackend, rms_norm, rope
 
 
 class CudaBackend(TorchBackend):
     name = "cuda"
     windowed_kernels = True
+
+    def __init__(self, kv_cache, num_threads: int = 1):
+        check_block_size(kv_cache.block_size, kv_cache.device)  # raises ValueError on a GPU
+        super().__init__(kv_cache, num_threads)
 
     def prepare_extra(self, meta: StepMetadata) -> None:
         meta.extra["context_lens"] = torch.tensor(meta.context_lens, dtype=torch.long, device=self.device)  # [S]

@@ -22,7 +22,12 @@ Per step (``PagedMask.build``, tensor ops only, no loop over sequences):
   blocks; a query block's key blocks are the union of its sequences' tables, duplicates
   dropped (a shared prefix block counted twice would count twice in the softmax).
 
-Memory per step: ``num_blocks + S * max_blocks`` entries, whatever the pool's size.
+Memory per step: ``num_blocks + S * max_blocks`` entries for the mask, and for a step that
+is not decode-only ``N / 16 * 16 * max_blocks`` int32 block candidates (a query block holds
+at most 16 sequences), whatever the pool's size.
+
+On a GPU the kernel's tiles are 16 queries by ``block_size`` keys (``kernel_options``), so a
+GPU pool's ``block_size`` must be a multiple of 16 (``check_block_size``).
 
 On a GPU ``flex_attention`` is compiled (Triton kernels that skip unlisted blocks). On the
 CPU it runs eagerly, reading the whole pool under ``mask_mod``: the test path, which checks
@@ -95,25 +100,33 @@ class PagedMask:
             kv_num = used.sum(1).to(torch.int32)  # [S]
             kv_idx = table.clamp_min(0)
             kv_idx = kv_idx.gather(1, torch.argsort((~used).to(torch.int8), dim=1, stable=True)).to(torch.int32)
-            mask = BlockMask.from_kv_blocks(kv_num[:, None, None], kv_idx[:, None, None, :], BLOCK_SIZE=(1, bs), mask_mod=mask_mod,
-                                            seq_lengths=(1, slots), compute_q_blocks=False)
+            mask = BlockMask.from_kv_blocks(kv_num[:, None, None], kv_idx[:, None, None, :], BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
+                                            seq_lengths=(1, slots), compute_q_blocks=False)  # (a query block of 16 holds the 1)
             return PagedMask(mask, True)
         N = token_seq.shape[0]
         nq = -(-N // Q_BLOCK)
         starts = torch.arange(nq, device=dev) * Q_BLOCK
         first, last = seq_of[starts], seq_of[(starts + Q_BLOCK - 1).clamp_max(N - 1)]  # [nq] sequences of each query block
-        s = torch.arange(S, device=dev)[None, :]
-        member = (s >= first[:, None]) & (s <= last[:, None])  # [nq, S]
-        big = torch.iinfo(torch.long).max
-        cand = torch.where(member[:, :, None] & used[None], table[None], big).view(nq, -1)  # [nq, S * max_blocks]
+        # a query block holds at most Q_BLOCK sequences: its candidates are their tables, [nq, Q_BLOCK * max_blocks]
+        seqs = first[:, None] + torch.arange(Q_BLOCK, device=dev)[None, :]  # [nq, Q_BLOCK]
+        member = seqs <= last[:, None]
+        seqs = seqs.clamp_max(S - 1)
+        big = torch.iinfo(torch.int32).max
+        cand = torch.where(member[:, :, None] & used[seqs], table.to(torch.int32)[seqs], big).view(nq, -1)
         cand = torch.sort(cand, dim=1).values
         cand[:, 1:].masked_fill_(cand[:, 1:] == cand[:, :-1], big)  # a block listed twice: once
         cand = torch.sort(cand, dim=1).values
         kv_num = (cand != big).sum(1).to(torch.int32)
-        kv_idx = torch.where(cand != big, cand, 0).to(torch.int32)
+        kv_idx = torch.where(cand != big, cand, 0)
         mask = BlockMask.from_kv_blocks(kv_num[None, None], kv_idx[None, None], BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
                                         seq_lengths=(N, slots), compute_q_blocks=False)  # (q blocks: for a backward pass)
         return PagedMask(mask, False)
+
+
+def check_block_size(block_size: int, device: torch.device) -> None:
+    """Raises ValueError where FlexAttention's GPU tiles cannot take ``block_size`` keys."""
+    if device.type == "cuda" and block_size % 16:
+        raise ValueError(f"block_size must be a multiple of 16 on a GPU (FlexAttention's tiles), not {block_size}")
 
 
 def _softcap_mod(cap: float):
@@ -128,14 +141,16 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, mask: Pa
     ``softcap``: ``tanh(s / cap) * cap`` on the scaled scores (Gemma 2)."""
     n, heads, d = q.shape
     kernel = _kernel(q.device.type)
+    options = {"kernel_options": {"BLOCK_M": Q_BLOCK, "BLOCK_N": mask.block_mask.BLOCK_SIZE[1]}} if q.device.type == "cuda" else {}
     score_mod = _softcap_mod(softcap) if softcap is not None else None
     if mask.decode:  # [S, heads, 1, D] against the pool seen by every row
         k = k_pool.unsqueeze(0).expand(n, -1, -1, -1)
         v = v_pool.unsqueeze(0).expand(n, -1, -1, -1)
-        out = kernel(q.unsqueeze(2), k, v, score_mod=score_mod, block_mask=mask.block_mask, scale=scale, enable_gqa=heads != k_pool.shape[0])
+        out = kernel(q.unsqueeze(2), k, v, score_mod=score_mod, block_mask=mask.block_mask, scale=scale, enable_gqa=heads != k_pool.shape[0],
+                     **options)
         return out.reshape(n, heads * d)  # [S, heads, 1, D] -> [S, heads * D]
     out = kernel(q.transpose(0, 1).unsqueeze(0), k_pool.unsqueeze(0), v_pool.unsqueeze(0), score_mod=score_mod,
-                 block_mask=mask.block_mask, scale=scale, enable_gqa=heads != k_pool.shape[0])  # [1, heads, N, D]
+                 block_mask=mask.block_mask, scale=scale, enable_gqa=heads != k_pool.shape[0], **options)  # [1, heads, N, D]
     return out[0].transpose(0, 1).reshape(n, heads * d)
 
 
