@@ -182,18 +182,28 @@ def hf_prefill(model, num_tokens: int, repeats: int) -> float:
         return _timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), repeats)
 
 
-def random_model(dtype: str, device: str, vocab_size: int = 49152):
-    """SmolLM2-135M's shape (its config.json) with random weights: decode and prefill cost the
-    same as the real model's, and nothing has to be carried to the machine. ``vocab_size``:
-    another vocabulary (Llama 3's 128,256 for the sampler's bench)."""
+RANDOM_SHAPES = {  # random:<name>: a model's shape, no files (config.json values)
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True),
+    "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False),  # Llama 3.1 8B's shape (the GPU check's)
+}
+
+
+def random_model(dtype: str, device: str, vocab_size: int | None = None, shape: str = "smollm2"):
+    """Random weights of RANDOM_SHAPES[shape] (SmolLM2-135M's by default), made on ``device``:
+    decode and prefill cost the same as the real model's, and nothing has to be carried to
+    the machine. ``vocab_size``: another vocabulary (Llama 3's 128,256 for the sampler's bench)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                      num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    fields = {**RANDOM_SHAPES[shape], **({"vocab_size": vocab_size} if vocab_size else {})}
+    cfg = LlamaConfig(**fields, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation="sdpa")
-    return model.to(device).eval()
+    with torch.device(device):  # initialised where it runs: an 8B model's random init on a CPU takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.eval()
 
 
 def quantized_engine(args, model, config: EngineConfig):
@@ -233,7 +243,7 @@ def vllm_engine(args, batches: list[int], lengths: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="a model spec (model_loader), or random:smollm2 for random weights of its shape (no files needed)")
+    parser.add_argument("--model", default="smollm2", help="a model spec (model_loader), or random:smollm2 / random:llama8b for random weights of that shape (no files needed)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a worker's num_cpus)")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64")
@@ -266,7 +276,10 @@ def main() -> None:
     hw = hardware.measure(args.device)
     machine = f"machine: {hw['cpu']} [{hw['cpu_flags']}]{' / ' + hw['gpu'] if 'gpu' in hw else ''}, torch {hw['torch']}"
     print(machine, flush=True)
-    model = random_model(args.dtype, args.device) if args.model == "random:smollm2" else load_model(resolve_model_dir(args.model), args.dtype, args.device)  # HF eager runs it too
+    random_shape = args.model.removeprefix("random:") if args.model.startswith("random:") else None
+    if random_shape is not None and random_shape not in RANDOM_SHAPES:
+        parser.error(f"--model random:{random_shape}: the random shapes are {', '.join(RANDOM_SHAPES)}")
+    model = random_model(args.dtype, args.device, shape=random_shape) if random_shape else load_model(resolve_model_dir(args.model), args.dtype, args.device)  # HF eager runs it too
     blocks_per_seq = -(-(args.context + DECODE_STEPS_PER_REPEAT * args.repeats + 2) // 16)
     num_blocks = max(max(batches) * blocks_per_seq, -(-max(lengths) // 16)) + 8
     config = EngineConfig(num_blocks=num_blocks, max_num_seqs=max(batches), enable_prefix_caching=False, backend=args.backend)

@@ -10,6 +10,7 @@ find the lease still held.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -22,15 +23,18 @@ from kv_transfer.base import KVHandle, KVReceiver, KVSink
 from pdserve.kv_fingerprint import KVFingerprint
 from kv_transfer.grpc_backend import FRAME_OPTIONS, MAX_MESSAGE_BYTES, receive_stream
 from kv_transfer.server import PREFILL_ENDED, fingerprint_to_proto
-from kv_transfer.cuda_ipc_backend import CudaIpcReader
+from kv_transfer.cuda_ipc_backend import CudaIpcReader, CudaIpcUnavailable
 from kv_transfer.shm_backend import ShmReader
 from pdserve.errors import KVAuthError, KVNotFoundError, KVTransferError, PrefillEndedError
 from pdserve.rpc import kv_pb2, kv_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 
 class KVClient(KVReceiver):
     """``mode``: "grpc" (always stream), "shm" or "cuda_ipc" (same node only) or "auto"
-    (cuda_ipc, else shm, where it can).
+    (cuda_ipc, else shm, where it can; a sender whose GPU pool this process cannot map, e.g.
+    each Ray actor seeing only its own GPU, is read over grpc from then on, logged once).
     ``secret``: sent as metadata on every KV call (security.kv_secret). ``tls_ca_file``:
     connect with TLS, verifying the server against this CA (``tls_server_name``: the name in
     its certificate, if not the address's host)."""
@@ -50,6 +54,7 @@ class KVClient(KVReceiver):
         self._lock = threading.Lock()
         self._shm = ShmReader()
         self._cuda = CudaIpcReader()
+        self._no_ipc: dict[tuple[str, str], str] = {}  # (address, instance id) -> why its pool cannot be mapped here
         self._stats: dict[str, float] = {"num_fetched": 0, "bytes_fetched": 0, "fetch_seconds": 0.0}
 
     def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
@@ -83,6 +88,7 @@ class KVClient(KVReceiver):
         cuda = node and handle.cuda_ipc and device == "cuda"
         shm = node and bool(handle.shm_path) and device == "cpu"
         if self.mode == "auto":
+            cuda = cuda and (handle.address, handle.instance_id) not in self._no_ipc
             return "cuda_ipc" if cuda else "shm" if shm else "grpc"
         if self.mode == "grpc" or (self.mode == "cuda_ipc" and cuda) or (self.mode == "shm" and shm):
             return self.mode
@@ -101,15 +107,22 @@ class KVClient(KVReceiver):
             sums: list[int] = []
             if transport == "cuda_ipc":
                 desc = stub.DescribeKV(kv_pb2.DescribeKVRequest(transfer_id=handle.transfer_id), timeout=left())
-                nbytes, sums = self._cuda.copy(desc, (handle.address, handle.instance_id), sink, cancel)
-                if desc.layerwise:
-                    sink.first_token = desc.first_token
-            elif transport == "shm":
+                try:
+                    nbytes, sums = self._cuda.copy(desc, (handle.address, handle.instance_id), sink, cancel)
+                    if desc.layerwise:
+                        sink.first_token = desc.first_token
+                except CudaIpcUnavailable as e:
+                    if self.mode != "auto":
+                        raise
+                    self._no_ipc[(handle.address, handle.instance_id)] = str(e)  # from now on: grpc from this sender
+                    log.warning("KV from %s comes over grpc, not cuda_ipc: %s", handle.address, e)
+                    transport = "grpc"
+            if transport == "shm":
                 desc = stub.DescribeKV(kv_pb2.DescribeKVRequest(transfer_id=handle.transfer_id), timeout=left())
                 nbytes, sums = self._shm.copy(desc, sink, cancel)
                 if desc.layerwise:  # leased while prefill ran: DescribeKV answered once it ended
                     sink.first_token = desc.first_token
-            else:
+            elif transport == "grpc":
                 stream = stub.FetchKV(kv_pb2.FetchKVRequest(transfer_id=handle.transfer_id), timeout=left())
                 done = threading.Event()
                 if cancel is not None:  # a cancel cuts the stream at once, even while it waits

@@ -114,6 +114,11 @@ def checksums(kv_cache: PagedKVCache, ids: list[int]) -> list[int]:
     return layer_checksums(kv_cache.k, kv_cache.v, index, kv_cache.block_size).tolist()
 
 
+class CudaIpcUnavailable(KVTransferError):
+    """This process cannot map a sender's pool (no cupy, or the CUDA runtime refuses the
+    handle): the receiver in ``auto`` mode takes the grpc stream from that sender instead."""
+
+
 class CudaIpcReader:
     """Receiver side: opens senders' pools (a few at a time) and copies blocks out of them."""
 
@@ -125,7 +130,10 @@ class CudaIpcReader:
     def _open(self, key: tuple[str, str], desc, sink: KVSink, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
             if key not in self._pools:
-                import cupy
+                try:
+                    import cupy
+                except ImportError:
+                    raise CudaIpcUnavailable("cupy is not installed in the decode worker") from None
 
                 spec = sink.spec
                 shape = (spec.num_layers, spec.num_kv_heads, desc.pool_num_blocks * desc.block_size, spec.head_dim)
@@ -137,7 +145,8 @@ class CudaIpcReader:
                             ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle, _LAZY_PEER_ACCESS)
                             pools.append(_as_torch(cupy, ptr, nbytes, _Opened(ptr), spec.dtype, shape))
                 except Exception as e:  # noqa: BLE001 - cupy raises its own CUDARuntimeError
-                    raise KVTransferError(f"cannot open the sender's KV pool over CUDA IPC: {e}") from None
+                    # e.g. each Ray actor sees only its own GPU (CUDA_VISIBLE_DEVICES) and the runtime will not map another's
+                    raise CudaIpcUnavailable(f"cannot open the sender's KV pool over CUDA IPC: {e}") from None
                 self._pools[key] = (pools[0], pools[1])
                 while len(self._pools) > self._max_open:  # the oldest sender's mapping goes (closed when unreferenced)
                     self._pools.popitem(last=False)
