@@ -16,7 +16,10 @@ The draw is the exponential race (as vLLM's ``random_sample``): the token is
 ``argmax(p / q)`` with ``q ~ Exp(1)`` per vocabulary entry, which picks token t with
 probability p_t. A seeded row's q comes from its own generator on the logits' device, seeded
 by (seed, position) as the reference's is: the same seed and position give the same token
-alone or in any batch, on one device kind. Every op here works row by row (softmax, cumsum,
+alone or in any batch, on one device kind. Where tokens of exactly equal probability straddle
+a top-p cut-off, which of them stay is the order ``torch.topk`` gives them, as in the
+reference it is the order ``torch.sort`` gives them: either is a fair draw, not always the
+same one. Every op here works row by row (softmax, cumsum,
 sort, argmax along the vocabulary), so a row's bits do not depend on the rows beside it
 (tests/unit/test_sampler.py checks it, and that greedy ids equal the reference's).
 """

@@ -148,10 +148,12 @@ def test_preemption_recomputes_and_still_equals_generate(spy):
     assert_all_blocks_free(engine)
 
 
-def test_padded_static_decode_steps_equal_generate(spy):
+@pytest.mark.parametrize("family", ["qwen2", "mistral_window", "gemma2"])
+def test_padded_static_decode_steps_equal_generate(family, spy):
     """``cuda_graphs=True`` on the CPU: the padded static-shape decode steps a graph would
-    record, run eagerly, their block masks rebuilt from the static inputs every step."""
-    model, reference = tiny_model("qwen2"), tiny_model("qwen2")
+    record, run eagerly, their block masks rebuilt from the static inputs every step (a
+    sliding window's too, its leading blocks given back as it passes them)."""
+    model, reference = tiny_model(family), tiny_model(family)
     engine = cuda_engine(model, 128, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, chunk_size=32, cuda_graphs=True)
     graphs = engine.runner.graphs
     assert graphs is not None and not graphs.capture
