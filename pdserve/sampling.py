@@ -1,7 +1,10 @@
-"""Sampling parameters, their validation, token sampling and stop checks.
+"""Sampling parameters, their validation, the one-row sampling reference and stop checks.
 
 Shared by the prefill worker (which samples the first token) and the decode
-worker (which samples the rest), so both apply exactly the same rules.
+worker (which samples the rest), so both apply exactly the same rules. The engine samples
+a whole step at once (pdserve/engine/sampler.py); ``sample``, ``apply_penalties`` and
+``token_logprob`` here are the same rules one row at a time, the reference its tests
+compare it with.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ before its first step (``Grammars.matcher``), off the step thread, from the same
 having it accept the tokens generated so far: a decode replica taking a request after
 prefill's first token, or a migrated or recomputed one, is then in the state that one
 process would be in. The engine fills each constrained row's mask while the step's forward
-runs (``fill_masks``) and applies it to the row's logits before sampling (``apply_mask``).
+runs (``fill_masks``), and its sampler applies it to the row's logits before anything else
+(engine/sampler.py; ``apply_mask`` here is the one-row reference).
 
 Why llguidance (docs/structured_output.md has the measurement): it builds a matcher in
 about 1 ms where xgrammar 0.2 takes 6 ms, its masks take 15-50 us a token (xgrammar's

@@ -12,10 +12,10 @@ A graph fixes every shape and address, so:
 - every block table is padded to the blocks of ``max_model_len``: the kernel reads a row's
   own blocks only (its count is an input), so one width serves every context length.
 
-One graph is captured per batch bucket, all at start-up (``capture_all``, its time logged),
-and all graphs share one memory pool. Nothing is captured while serving. A padding row is token 0 at position 0. It writes
-its K/V into the scratch block, the pool's last block, which the block manager never
-hands out, and it attends to that one slot. Attention is the cuda backend's paged
+One graph is captured per batch bucket, all at start-up (``capture_all``, its time
+logged), and all graphs share one memory pool. Nothing is captured while serving. A
+padding row is token 0 at position 0. It writes its K/V into the scratch block, the pool's
+last block, which the block manager never hands out, and it attends to that one slot. Attention is the cuda backend's paged
 FlexAttention: the graph records the step's block mask being built from the static block
 tables, context lengths and positions, so every replay rebuilds it from the step's own. A
 row's padded table entries are past its context and never listed: padding adds no reads.
