@@ -85,7 +85,7 @@ def engine_config(pool: PoolConfig, spec: KVSpec, max_len: int, pool_name: str, 
     ConfigError if a pool of known size cannot hold one request of ``max_len`` tokens."""
     num_blocks = 0  # (sized by memory on the GPU)
     if pool.kv_cache_bytes is not None or pool.kv_cache_tokens is not None or device != "cuda":
-        tokens = pool.kv_cache_tokens if pool.kv_cache_tokens is not None or pool.kv_cache_bytes is not None else CPU_KV_CACHE_TOKENS
+        tokens = pool.kv_cache_tokens if pool.kv_cache_tokens is not None else CPU_KV_CACHE_TOKENS  # (bytes win where set)
         try:
             num_blocks = PagedKVCache.num_blocks_for(spec, pool.block_size, tokens, pool.kv_cache_bytes)
         except ValueError as e:  # a pool smaller than one block

@@ -112,7 +112,7 @@ class Engine:
             self.backend = backends.select(config.backend, self.kv_cache, threads)
             self.model = build_model(model, self.backend, max_model_len, quantized)  # raises UnsupportedModelError
         if sized_by_memory:
-            config = self.config = self._size_pool(config, max_model_len, kv_memory)
+            config = self.config = self._size_pool(config, max_model_len, kv_memory, use_graphs)
         if use_graphs and config.num_blocks < 2:
             raise ValueError("CUDA graphs take one KV block as scratch: the pool needs at least 2 blocks")
         num_usable_blocks = config.num_blocks - 1 if use_graphs else config.num_blocks  # the last block is the graphs' scratch
@@ -136,7 +136,7 @@ class Engine:
         self.busy_s = 0.0  # seconds spent in steps that ran a batch (autoscaling's busy fraction)
         self._publish_stats()
 
-    def _size_pool(self, config: EngineConfig, max_model_len: int, kv_memory: PoolMemory | None) -> EngineConfig:
+    def _size_pool(self, config: EngineConfig, max_model_len: int, kv_memory: PoolMemory | None, use_graphs: bool) -> EngineConfig:
         """Profile the largest step over the small first pool, free it, and allocate the pool
         ``memory.kv_blocks_for_memory`` gives (in ``kv_memory`` where given); returns the
         config with its block count. Raises ValueError, in one line, where that pool cannot
@@ -148,7 +148,7 @@ class Engine:
         free = torch.cuda.mem_get_info(device)[0]
         bytes_per_block = self.kv_spec.bytes_per_token * config.block_size
         num_blocks = memory.kv_blocks_for_memory(free, peak, config.kv_cache_memory_fraction, bytes_per_block)
-        usable = num_blocks - 1 if (config.cuda_graphs if config.cuda_graphs is not None else config.optimize) else num_blocks
+        usable = num_blocks - 1 if use_graphs else num_blocks  # (the graphs' scratch block)
         if usable * config.block_size < max_model_len:
             raise ValueError(
                 f"the KV pool would hold {max(0, usable) * config.block_size} tokens ({config.kv_cache_memory_fraction} of the "

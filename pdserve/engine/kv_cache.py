@@ -194,6 +194,6 @@ def block_rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     head_dim]) -> [kv_heads, num_blocks, block words], a view of a contiguous ``t``. 16-bit
     data is taken as 32-bit words, which index_select and index_copy_ move ~2x faster here
     (0.8 vs 1.5 ms for 6 MB). Every whole-block copy of the pool goes through it: the
-    pool's read_blocks/write_blocks (the KV transfer) and the cuda backend's ``gather_blocks``."""
+    pool's read_blocks/write_blocks (the KV transfer)."""
     rows = t.view(t.shape[0], num_blocks, -1)  # a view, never a copy: index_copy_ must land in t
     return rows.view(torch.float32) if t.element_size() == 2 and rows.shape[-1] % 2 == 0 else rows
