@@ -72,9 +72,12 @@ CONFIGS = {
     "disaggregated-always": {"mode": "disaggregated", "prefill": POOL, "decode": POOL, "router": REMOTE},
     # prefill's engine borrows decode's core when it idles (prefill.num_threads: 2 on 1 CPU)
     "disaggregated-2t": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": POOL, "router": REMOTE},
-    # ... and decode's engine yields that core at once while prefill runs (decode.engine_nice: 10)
-    "disaggregated-yield": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": {**POOL, "engine_nice": 10},
+    # ... and decode's engine steps aside while a prefill step runs (decode.yield_to_prefill_s, pdserve/core_share.py)
+    "disaggregated-yield": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": {**POOL, "yield_to_prefill_s": 0.2},
                             "router": REMOTE},
+    # ... or runs at nice 10, so that the kernel hands prefill's second thread its core (decode.engine_nice: 10)
+    "disaggregated-nice": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": {**POOL, "engine_nice": 10},
+                           "router": REMOTE},
     # short prompts prefilled by decode itself
     "disaggregated-local": {"mode": "disaggregated", "prefill": POOL, "decode": POOL, "router": {**REMOTE, "local_prefill_max_tokens": 192}},
     "colocated": {"mode": "colocated", "colocated": {"ray_actor_options": {"num_cpus": 2, "num_gpus": 0, "resources": {}}}},

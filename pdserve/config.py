@@ -150,6 +150,10 @@ class PoolConfig:
     # 10 yields its core at once to a prefill replica that borrows it (num_threads: 2), where
     # at 0 the two time-slice the core and prefill's parallel steps wait on the slower thread
     engine_nice: int = 0
+    # decode: before each step, wait while a prefill step on this node runs, at most this many
+    # seconds (0 = never): a prefill replica that borrows decode's core (prefill.num_threads
+    # above its num_cpus) then has it to itself (pdserve/core_share.py)
+    yield_to_prefill_s: float = 0.0
     # dense | quantized | auto: linear layers over the GGUF's blocks as stored (Q8_0, Q4_0,
     # Q4_1, Q4_K, Q6_K; the same bits as dense), for a decode step that reads fewer bytes; auto =
     # quantized in float32 decode and colocated pools, else dense (pdserve.worker
@@ -181,7 +185,8 @@ class PoolConfig:
 
 POOLS = ("prefill", "decode", "colocated")
 # PoolConfig keys that only some pools use: they live only in those pools' sections
-ROLE_KEYS = {"kv_lease_s": ("prefill",), "stream_interval": ("decode", "colocated"), "max_kv_wait_s": ("decode", "colocated")}
+ROLE_KEYS = {"kv_lease_s": ("prefill",), "stream_interval": ("decode", "colocated"), "max_kv_wait_s": ("decode", "colocated"),
+             "yield_to_prefill_s": ("decode",)}
 
 KV_BACKENDS = ("grpc", "shm", "cuda_ipc", "auto")
 ENGINE_BACKENDS = ("auto", "cpu", "torch", "cuda")  # pdserve.engine.backends.CHOICES
@@ -428,6 +433,9 @@ class ClusterConfig:
                 raise ConfigError(f"{name}.tensor_parallel_size must be an integer from 1 to 64, not {pool.tensor_parallel_size!r}")
             if not _int_in(pool.stream_interval, 1, 64):
                 raise ConfigError(f"{name}.stream_interval must be an integer from 1 to 64 tokens, not {pool.stream_interval!r}")
+            wait = pool.yield_to_prefill_s
+            if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10:
+                raise ConfigError(f"{name}.yield_to_prefill_s must be a number of seconds from 0 (never) to 10, not {wait!r}")
             if not _int_in(pool.engine_nice, -20, 19):
                 raise ConfigError(f"{name}.engine_nice must be an integer from -20 to 19, not {pool.engine_nice!r}")
             _check_actor_options(name, pool.ray_actor_options)

@@ -14,6 +14,7 @@ from kv_transfer.progress import LayerProgress, StreamedKVSource
 from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
 from pdserve.callers import CallerWatch
 from pdserve.config import ClusterConfig
+from pdserve.core_share import PrefillBusy
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import PrefillRequest, PrefillResult, PrefillStarted
@@ -50,7 +51,9 @@ class PrefillServer:
         self.replica = replica_name()  # which replica answered a stats call (prefix-routing tests)
         # its KV pool where a same-node decode worker can read it (shm, cuda_ipc)
         self.engine, fingerprint = build_engine(self.cfg, "prefill", kv_memory=functools.partial(prefill_pool_memory, self.cfg.kv_transfer))
-        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice)
+        # decode on this node waits for this engine's steps (decode.yield_to_prefill_s, pdserve/core_share.py)
+        gate = PrefillBusy(self.node_id) if self.cfg.decode.yield_to_prefill_s > 0 else None
+        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice, gate)
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or kv_bind_host(), fingerprint=fingerprint,
                                      block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path,
                                      cuda_ipc=self.engine.kv_cache.ipc_handles is not None,

@@ -39,12 +39,16 @@ STALL_POLL_S = 1.0  # a waiting request checks this often whether the loop is st
 
 class EngineLoop:
     """``max_step_s``: seconds one step may run before the loop counts as stalled; ``nice``:
-    the engine thread's niceness (Linux), inherited by the kernel threads it starts."""
+    the engine thread's niceness (Linux), inherited by the kernel threads it starts;
+    ``gate``: its ``before_step()`` and ``after_step()`` run around every step, on the step's
+    thread (pdserve/core_share.py: a prefill engine marks its steps, a decode engine waits
+    for them); closed with the loop."""
 
-    def __init__(self, engine: Engine, max_step_s: float = 120.0, nice: int = 0):
+    def __init__(self, engine: Engine, max_step_s: float = 120.0, nice: int = 0, gate=None):
         self.engine = engine
         self.max_step_s = max_step_s
         self.nice = nice
+        self.gate = gate
         self._hang_file = os.environ.get(HANG_FILE_ENV)
         # request id -> (its queue, the queue's event loop, ids of its sequences not yet finished):
         # only those sequences' chunks reach the queue (a request id can be submitted again, as
@@ -224,6 +228,8 @@ class EngineLoop:
             self._steps()
         finally:  # the engine's tensor-parallel ranks and shared pool go with its thread
             self.engine.close()
+            if self.gate is not None:
+                self.gate.close()
 
     def _steps(self) -> None:
         while not self._stop.is_set():
@@ -253,7 +259,13 @@ class EngineLoop:
                 self._stop.wait()
                 return
             try:
-                outputs = self.engine.step()
+                if self.gate is not None:
+                    self.gate.before_step()
+                try:
+                    outputs = self.engine.step()
+                finally:
+                    if self.gate is not None:
+                        self.gate.after_step()
             except Exception as e:  # a failed forward fails the requests in it, not the worker
                 self._step_started = None
                 log.exception("engine step failed")

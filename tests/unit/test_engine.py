@@ -197,6 +197,51 @@ def test_loop_runs_the_engine_thread_at_its_niceness():
     assert_all_blocks_free(engine)
 
 
+def test_the_loops_gate_brackets_every_step_on_its_thread_even_one_that_fails():
+    """EngineLoop's ``gate`` (pdserve/core_share.py's PrefillBusy and YieldToPrefill): before_step
+    and after_step around each step, on the engine thread, after_step also when the step
+    raises (a prefill word left busy would hold decode back); closed with the loop."""
+    engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=64, block_size=4), EOS, 512)
+    calls = []
+
+    class Gate:
+        def before_step(self):
+            calls.append(("before", threading.get_ident()))
+
+        def after_step(self):
+            calls.append(("after", threading.get_ident()))
+
+        def close(self):
+            calls.append(("close", None))
+
+    loop = EngineLoop(engine, gate=Gate())
+    real_step, failed = engine.step, []
+
+    def step():
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a failed forward")
+        return real_step()
+
+    engine.step = step
+
+    async def main():
+        for name in ("fails", "runs"):
+            seq = Sequence(name, random_prompts([7])[0], 7, SamplingParams(max_tokens=3, ignore_eos=True))
+            queue = loop.submit(seq)
+            while True:
+                item = await asyncio.wait_for(queue.get(), timeout=30)
+                if isinstance(item, Exception) or item.finish_reason is not None:
+                    break
+
+    asyncio.run(main())
+    loop.close(wait_s=30)
+    kinds = [kind for kind, _ in calls]
+    assert kinds[-1] == "close" and kinds[:-1] == ["before", "after"] * (len(kinds[:-1]) // 2) and len(kinds) >= 7
+    assert {tid for _, tid in calls[:-1]} == {loop._thread.ident}
+    assert_all_blocks_free(engine)
+
+
 def test_submit_and_abort_never_wait_for_a_running_step():
     """The event loop queues requests and aborts for the engine thread: with the engine's lock
     held (as through a long prefill step) both return at once, and once the step ends the

@@ -316,20 +316,29 @@ static int attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t g
         } else {
             memset(w->o, 0, (size_t)(16 * D * 4));
         }
+        /* S^T of key tile jt: tiles 4, 5 = keys 0-15, 16-31 of the tile x the chunk's 16 lanes.
+         * Each tile's is issued before the softmax of the one before it, so that the AMX unit
+         * works on it while the vector units work on that softmax (the same operations in the
+         * same order per element: the same bits). A 2,048-token prefill's attention, one
+         * thread: 0.88x the time of computing it after the softmax (Xeon, 2026-12-07). */
+#define AMX_QK(jt)                                                 \
+        do {                                                       \
+            _tile_zero(4);                                         \
+            _tile_zero(5);                                         \
+            for (int64_t dk = 0; dk < DK; dk++) {                  \
+                amx_load(6, w->qt + (c * DK + dk) * 512, 64);      \
+                amx_load(7, w->ka[2 * (jt)] + 32 * dk, D * 2);     \
+                _tile_dpbf16ps(4, 7, 6);                           \
+                amx_load(7, w->ka[2 * (jt) + 1] + 32 * dk, D * 2); \
+                _tile_dpbf16ps(5, 7, 6);                           \
+            }                                                      \
+        } while (0)
+        AMX_QK(0);
         for (int64_t jt = 0; jt * AT <= chunk_last; jt++) {
             const int64_t j0 = jt * AT;
-            /* S^T: tiles 4, 5 = keys 0-15, 16-31 of the tile x the chunk's 16 lanes */
-            _tile_zero(4);
-            _tile_zero(5);
-            for (int64_t dk = 0; dk < DK; dk++) {
-                amx_load(6, w->qt + (c * DK + dk) * 512, 64);
-                amx_load(7, w->ka[2 * jt] + 32 * dk, D * 2);
-                _tile_dpbf16ps(4, 7, 6);
-                amx_load(7, w->ka[2 * jt + 1] + 32 * dk, D * 2);
-                _tile_dpbf16ps(5, 7, 6);
-            }
             _tile_stored(4, w->st, 64);
             _tile_stored(5, w->st + 16 * 16, 64);
+            if (j0 + AT <= chunk_last) AMX_QK(jt + 1);
             float alpha[16];
             __mmask16 grow;
             if (rows <= 4) grow = softmax_rows(w->st, lp, rows, j0, a->scale, m, l, w->p, alpha);
@@ -380,6 +389,7 @@ static int attend_unit_amx(const attn_args *a, int64_t t0, int64_t t1, int64_t g
     return 0;
 }
 
+#undef AMX_QK
 #undef AMX_PV
 #undef AMX_O_STORE
 #undef AMX_O_LOAD

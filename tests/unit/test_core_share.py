@@ -1,0 +1,162 @@
+"""Decode stepping aside for a prefill step on its node (pdserve/core_share.py): the word a
+prefill engine sets, the wait a decode engine makes on it and its bound, words of dead or hung
+prefills and of other nodes, the gate around EngineLoop's steps, the config key, and the two
+workers together with the real model (ids as HF's, the waits counted, nothing left behind)."""
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import struct
+import threading
+import time
+
+import pytest
+
+from conftest import reference_generate
+from decode_worker.server import DecodeServer
+from pdserve import core_share
+from pdserve.config import ClusterConfig, ConfigError
+from pdserve.core_share import PrefillBusy, YieldToPrefill
+from pdserve.messages import PrefillRequest, WithKV
+from pdserve.model_loader import load_model, load_tokenizer
+from pdserve.sampling import SamplingParams
+from prefill_worker.server import PrefillServer
+
+
+def _busy_child(directory, node, ready, release):
+    flag = PrefillBusy(node, directory)
+    flag.before_step()
+    ready.set()
+    release.wait(60)
+    flag.after_step()
+    ready.clear()
+    release.wait(60)  # stays alive (its word too) until killed or told again
+    flag.close()
+
+
+@pytest.fixture
+def child(tmp_path):
+    ctx = mp.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_busy_child, args=(tmp_path, "node-a", ready, release), daemon=True)
+    proc.start()
+    assert ready.wait(60)
+    yield proc, ready, release
+    proc.kill()
+    proc.join(10)
+
+
+def test_decode_waits_for_a_prefill_step_in_another_process_until_it_ends(tmp_path, child):
+    proc, ready, release = child
+    gate = YieldToPrefill("node-a", max_wait_s=60, directory=tmp_path)
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (gate.before_step(), done.set()), daemon=True)
+    waiter.start()
+    assert not done.wait(0.3)  # the prefill step is still running: decode has not stepped
+    release.set()  # the step ends
+    assert done.wait(60)
+    assert gate.num_yields == 1 and gate.yield_s > 0
+    gate.before_step()  # no step running: no wait
+    assert gate.num_yields == 1
+    gate.close()
+
+
+def test_the_wait_ends_at_max_wait_s_while_prefill_stays_busy(tmp_path, child):
+    gate = YieldToPrefill("node-a", max_wait_s=0.05, directory=tmp_path)
+    gate.before_step()
+    assert gate.num_yields == 1 and gate.yield_s >= 0.05
+    gate.close()
+
+
+def test_a_dead_prefills_word_is_removed_and_not_waited_for(tmp_path, child):
+    proc, ready, release = child
+    os.kill(proc.pid, signal.SIGKILL)  # dies mid-step: its word says busy
+    proc.join(10)
+    assert len(list(tmp_path.glob(core_share.PREFIX + "*"))) == 1
+    gate = YieldToPrefill("node-a", max_wait_s=60, directory=tmp_path)
+    gate.before_step()
+    assert gate.num_yields == 0 and not list(tmp_path.glob(core_share.PREFIX + "*"))
+
+
+def test_other_nodes_and_hung_steps_are_not_waited_for(tmp_path, child):
+    gate = YieldToPrefill("node-b", max_wait_s=60, directory=tmp_path)
+    gate.before_step()
+    assert gate.num_yields == 0  # node-a's prefill shares no core with node-b
+    mine = PrefillBusy("node-b", tmp_path)
+    struct.pack_into("q", mine._word, 0, time.monotonic_ns() - int((core_share.STALE_S + 1) * 1e9))  # began too long ago: hung
+    gate._scanned = float("-inf")
+    gate.before_step()
+    assert gate.num_yields == 0
+    mine.close()
+    assert not list(tmp_path.glob(core_share.PREFIX + "node*b*"))
+
+
+def test_a_prefill_engines_word_is_set_only_during_its_steps(tmp_path):
+    flag = PrefillBusy("n", tmp_path)
+    gate = YieldToPrefill("n", max_wait_s=60, directory=tmp_path)
+    gate.before_step()
+    assert not gate.busy()
+    flag.before_step()
+    assert gate.busy()
+    flag.after_step()
+    assert not gate.busy()
+    flag.close()
+    assert not flag.path.exists()
+
+
+@pytest.mark.parametrize("value", [-0.1, 11, True, "0.1"])
+def test_yield_to_prefill_s_is_checked(value):
+    with pytest.raises(ConfigError, match="decode.yield_to_prefill_s"):
+        ClusterConfig.from_dict({"decode": {"yield_to_prefill_s": value}})
+    assert ClusterConfig.from_dict({"decode": {"yield_to_prefill_s": 0.2}}).decode.yield_to_prefill_s == 0.2
+
+
+def test_workers_with_decode_yielding_hand_off_exactly_and_count_their_waits(tmp_path, monkeypatch, real_model_dir):
+    """A prefill and a decode worker of one node (one process here), decode yielding: a long
+    prompt prefilled once another request is decoding (80 tokens, 8 a message). Every id equals HF's; the decode replica waited
+    for at least one prefill step, the prefill replica's word is gone once it closes, and every
+    block and lease is free."""
+    monkeypatch.setattr(core_share, "signal_dir", lambda: tmp_path)
+    cfg = {"model": {"path": "smollm2", "dtype": "float32", "max_model_len": 1024},
+           "prefill": {"kv_cache_tokens": 2048, "block_size": 16, "num_threads": 2},
+           "decode": {"kv_cache_tokens": 2048, "block_size": 16, "yield_to_prefill_s": 5.0},
+           "kv_transfer": {"backend": "grpc", "bind_host": "127.0.0.1", "timeout_s": 5.0}}
+    prefill, decode = PrefillServer(cfg), DecodeServer(cfg)
+    model, tokenizer = load_model(real_model_dir, "float32"), load_tokenizer(real_model_dir)
+    long_text = " ".join(f"Item {i} of the list is a colour." for i in range(60))  # ~600 tokens: a prefill step of many decode steps
+    prompts = [tokenizer(text, return_tensors=None)["input_ids"] for text in ("The three primary colours are", long_text)]
+    wants = [reference_generate(model, p, n, ignore_eos=True) for p, n in zip(prompts, (80, 8))]
+
+    async def one(i: int, wait: asyncio.Event | None, decoding: asyncio.Event | None) -> list[int]:
+        if wait is not None:
+            await wait.wait()  # the other request is decoding now
+        params = SamplingParams(max_tokens=len(wants[i]), ignore_eos=True)
+        first = await prefill.prefill(PrefillRequest(f"r{i}", prompts[i], params))
+        tokens = [first.first_token]
+        async for chunk in decode.generate(WithKV(f"r{i}", prompts[i], params, first.first_token, first.kv)):
+            tokens.extend(chunk.token_ids)
+            if decoding is not None:
+                decoding.set()
+        return tokens
+
+    async def both():
+        decoding = asyncio.Event()
+        return await asyncio.gather(one(0, None, decoding), one(1, decoding, None))
+
+    try:
+        assert asyncio.run(both()) == wants
+        stats = asyncio.run(decode.stats())
+        assert stats["num_prefill_yields"] >= 1 and stats["prefill_yield_s"] > 0
+        for _ in range(300):
+            p, d = asyncio.run(prefill.stats()), asyncio.run(decode.stats())
+            if p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]:
+                break
+            time.sleep(0.02)
+        assert p["num_held"] == 0 and p["num_free_blocks"] == p["num_blocks"] and d["num_free_blocks"] == d["num_blocks"]
+    finally:
+        prefill.loop.close(wait_s=30)
+        decode.loop.close(wait_s=30)
+    assert not list(tmp_path.glob(core_share.PREFIX + "*"))
+    prefill.__del__()
+    decode.__del__()
