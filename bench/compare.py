@@ -75,6 +75,9 @@ CONFIGS = {
     # ... and decode's engine steps aside while a prefill step runs (decode.yield_to_prefill_s, pdserve/core_share.py)
     "disaggregated-yield": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": {**POOL, "yield_to_prefill_s": 0.2},
                             "router": REMOTE},
+    # ... and decode borrows prefill's core too: the two take turns on both cores
+    "disaggregated-share": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2},
+                            "decode": {**POOL, "num_threads": 2, "yield_to_prefill_s": 0.2}, "router": REMOTE},
     # ... or runs at nice 10, so that the kernel hands prefill's second thread its core (decode.engine_nice: 10)
     "disaggregated-nice": {"mode": "disaggregated", "prefill": {**POOL, "num_threads": 2}, "decode": {**POOL, "engine_nice": 10},
                            "router": REMOTE},
@@ -293,15 +296,22 @@ def predict(system: str, profiles: dict, cores: int, specs, args, ttft_slo: floa
     """The tuner's goodput for a pdserve system (req/s): continuous, and on the sweep's rates."""
     from bench import tune
 
+    wait = CONFIGS[system].get("decode", {}).get("yield_to_prefill_s", 0.0)
     if system == "colocated":
         fits, n_p, n_d, model = tune.fit(profiles[str(cores)]), 0, 512, f"colocated, {cores} threads, token budget 512"
+    elif wait:
+        threads = {pool: min(CONFIGS[system][pool].get("num_threads") or 1, cores) for pool in ("prefill", "decode")}
+        fits, n_p, n_d = (tune.fit(profiles[str(threads["prefill"])])[0], tune.fit(profiles[str(threads["decode"])])[1]), 1, 1
+        model = (f"1 prefill replica on {threads['prefill']} threads, 1 decode replica on {threads['decode']} waiting for its steps "
+                 f"(at most {wait:g} s)")
     elif system.startswith("disaggregated"):
         fits, n_p, n_d, model = tune.fit(profiles["1"]), 1, 1, "1 prefill + 1 decode replica, 1 thread each, every prompt through prefill"
     else:
         return None
-    g = tune.predicted_goodput(specs, n_p, n_d, *fits, ttft_slo, tpot_slo, args.attainment)
-    on_grid = max((r for r in rates if tune.predicted_attainment(specs, r, n_p, n_d, *fits, ttft_slo, tpot_slo) >= args.attainment), default=0.0)
-    exact = system in ("colocated", "disaggregated-always")  # what the simulation models as deployed
+    g = tune.predicted_goodput(specs, n_p, n_d, *fits, ttft_slo, tpot_slo, args.attainment, yield_s=wait)
+    on_grid = max((r for r in rates if tune.predicted_attainment(specs, r, n_p, n_d, *fits, ttft_slo, tpot_slo, wait) >= args.attainment),
+                  default=0.0)
+    exact = system in ("colocated", "disaggregated-always", "disaggregated-yield", "disaggregated-share")  # as deployed
     return {"goodput_rps": g, "on_sweep_rates_rps": on_grid, "model": model if exact else model + " (approximation: see bench/compare.py)"}
 
 

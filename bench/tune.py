@@ -11,6 +11,9 @@ discrete-event simulation of the workload (lengths from ``--dataset``):
 - decode: n_d servers running continuous batching; every step serves each running request
   one token and takes the profiled step time ``d + e B`` at batch size B; TPOT = the mean
   step time a request saw. KV transfer is left out (under 1% of TTFT here, bench/transfer.py).
+- with ``decode.yield_to_prefill_s`` (pdserve/core_share.py), a decode step due while a
+  prefill runs waits for its end, at most that long, and the prefill fit is the profile on
+  the threads the prefill replica borrows; the wait counts in the requests' TPOT.
 
 Colocated (``mode: colocated``: one replica on all ``--workers`` cores) is simulated too,
 from a second profile on that many threads: one engine whose every step serves the running
@@ -29,6 +32,7 @@ measured. ``bench/run.sh compare`` prints these predictions beside its measureme
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import json
 import random
@@ -70,22 +74,39 @@ def fit(profile_: dict) -> tuple[tuple[float, float, float], tuple[float, float]
     return (max(a, 0.0), max(b, 0.0), max(c, 0.0)), (max(d, 1e-4), max(e, 0.0))
 
 
-def simulate(specs: list[serve.RequestSpec], rate: float, n_prefill: int, n_decode: int, prefill_fit, decode_fit, seed: int = 0):
-    """(TTFT, TPOT) per request, in seconds, for Poisson arrivals at ``rate``."""
+def _union(intervals: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Starts and ends of the union of ``intervals``, sorted."""
+    starts, ends = [], []
+    for s, e in sorted(intervals):
+        if ends and s <= ends[-1]:
+            ends[-1] = max(ends[-1], e)
+        else:
+            starts.append(s)
+            ends.append(e)
+    return starts, ends
+
+
+def simulate(specs: list[serve.RequestSpec], rate: float, n_prefill: int, n_decode: int, prefill_fit, decode_fit, seed: int = 0,
+             yield_s: float = 0.0):
+    """(TTFT, TPOT) per request, in seconds, for Poisson arrivals at ``rate``; ``yield_s`` > 0:
+    a decode step due while a prefill runs waits for its end, at most ``yield_s``."""
     rng = random.Random(seed)
     a, b, c = prefill_fit
     d, e = decode_fit
     t, free_at = 0.0, [0.0] * n_prefill
     ready = []  # (time the first token is out, index)
+    busy = []  # prefill service intervals
     ttft = [0.0] * len(specs)
     for i, spec in enumerate(specs):
         t += rng.expovariate(rate)
         k = min(range(n_prefill), key=free_at.__getitem__)
         start = max(t, free_at[k])
         free_at[k] = start + a + b * spec.prompt_tokens + c * spec.prompt_tokens**2
+        busy.append((start, free_at[k]))
         ttft[i] = free_at[k] - t
         ready.append((free_at[k], i))
     ready.sort()
+    starts, ends = _union(busy) if yield_s > 0 else ([], [])
     # decode: each replica steps its whole batch; a request joins at the first step after its first token
     left = [max(spec.output_tokens - 1, 0) for spec in specs]
     step_sum, step_count = [0.0] * len(specs), [0] * len(specs)
@@ -104,6 +125,9 @@ def simulate(specs: list[serve.RequestSpec], rate: float, n_prefill: int, n_deco
         if not batches[k]:
             continue
         step = d + e * len(batches[k])
+        j = bisect.bisect_right(starts, clocks[k]) - 1
+        if j >= 0 and clocks[k] < ends[j]:  # a prefill is running: the step waits for it (at most yield_s)
+            step += min(ends[j], clocks[k] + yield_s) - clocks[k]
         clocks[k] += step
         still = []
         for i in batches[k]:
@@ -173,22 +197,24 @@ def attainment(ttft, tpot, ttft_slo, tpot_slo) -> float:
     return sum(1 for x, y in zip(ttft, tpot) if x <= ttft_slo and y <= tpot_slo) / len(ttft)
 
 
-def predicted_goodput(specs, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, target, max_rate=256.0) -> float:
+def predicted_goodput(specs, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, target, max_rate=256.0,
+                      yield_s: float = 0.0) -> float:
     """Highest rate (req/s) with simulated attainment >= target; 0 if none. n_prefill 0:
-    colocated (``simulate_colocated``, n_decode its token budget)."""
+    colocated (``simulate_colocated``, n_decode its token budget); ``yield_s`` as ``simulate``'s."""
     lo, hi = 0.0, max_rate
     for _ in range(14):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted_attainment(specs, mid, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo) >= target else (lo, mid)
+        ok = predicted_attainment(specs, mid, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, yield_s) >= target
+        lo, hi = (mid, hi) if ok else (lo, mid)
     return lo
 
 
-def predicted_attainment(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo) -> float:
+def predicted_attainment(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, yield_s: float = 0.0) -> float:
     """Simulated share of requests meeting both SLOs at ``rate`` (n_prefill 0: colocated, n_decode its token budget)."""
     if n_prefill == 0:
         ttft, tpot = simulate_colocated(specs, rate, prefill_fit, decode_fit, n_decode)
     else:
-        ttft, tpot = simulate(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit)
+        ttft, tpot = simulate(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, yield_s=yield_s)
     return attainment(ttft, tpot, ttft_slo, tpot_slo)
 
 

@@ -16,7 +16,7 @@ from kv_transfer.paged import PagedKVSink
 from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
 from pdserve.callers import CallerWatch
 from pdserve.config import ClusterConfig
-from pdserve.core_share import YieldToPrefill
+from pdserve.core_share import CoreShare
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
@@ -79,7 +79,7 @@ class DecodeServer:
         self.engine, fingerprint = build_engine(self.cfg, pool)
         wait = self.pool_cfg.yield_to_prefill_s if pool == "decode" else 0
         # steps wait for a prefill step on this node (decode.yield_to_prefill_s, pdserve/core_share.py)
-        self.yield_gate = YieldToPrefill(self.node_id, wait) if wait > 0 else None
+        self.yield_gate = CoreShare(self.node_id, "decode", wait) if wait > 0 else None
         self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice, self.yield_gate)
         self.kv_receiver = make_receiver(self.cfg.kv_transfer, fingerprint=fingerprint, secret=self.cfg.security.kv_secret)
         self.num_kv_fetched = 0

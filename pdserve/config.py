@@ -150,9 +150,10 @@ class PoolConfig:
     # 10 yields its core at once to a prefill replica that borrows it (num_threads: 2), where
     # at 0 the two time-slice the core and prefill's parallel steps wait on the slower thread
     engine_nice: int = 0
-    # decode: before each step, wait while a prefill step on this node runs, at most this many
-    # seconds (0 = never): a prefill replica that borrows decode's core (prefill.num_threads
-    # above its num_cpus) then has it to itself (pdserve/core_share.py)
+    # decode: > 0 makes the prefill and decode engines of a node take turns: decode waits before
+    # each step while a prefill step runs, at most this many seconds, and prefill waits for a
+    # running decode step (pdserve/core_share.py); with num_threads above num_cpus in both
+    # pools, each has the node's cores in turn (0 = never)
     yield_to_prefill_s: float = 0.0
     # dense | quantized | auto: linear layers over the GGUF's blocks as stored (Q8_0, Q4_0,
     # Q4_1, Q4_K, Q6_K; the same bits as dense), for a decode step that reads fewer bytes; auto =

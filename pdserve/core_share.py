@@ -1,22 +1,28 @@
-"""A prefill replica borrowing a decode replica's core on the same node, without contending for it.
+"""Prefill and decode replicas of one small node taking turns on its cores instead of contending for them.
 
-On a small node (2 cores: one prefill and one decode replica), a prefill replica given more
-engine threads than CPUs (``prefill.num_threads: 2`` with ``num_cpus: 1``) runs its kernels
-on decode's core too. While decode steps at the same time, the two share that core, and each
-of prefill's parallel kernels waits on its slower thread: a 256-token prefill took longer on
-2 threads than on 1. So decode steps aside: with ``decode.yield_to_prefill_s`` > 0, a decode
-engine waits before each step while a prefill step on its node is running, at most that many
-seconds (its streams' TPOT bound), and then steps anyway.
+On a small node (2 cores: one prefill and one decode replica), an engine given more threads
+than CPUs (``num_threads: 2`` with ``num_cpus: 1``) runs its kernels on the other replica's
+core too. When both step at once they share that core, and each parallel kernel waits on its
+slower thread: a 256-token prefill on 2 threads took longer beside a decode loop than on 1
+thread. With ``decode.yield_to_prefill_s`` > 0 the two take turns:
 
-The signal is one 8-byte word per prefill engine in shared memory (``/dev/shm``, named by
-the node and the process): the monotonic clock (CLOCK_MONOTONIC, one clock for every process
-of the host) when its running step began, 0 between steps. A word busy for longer than
-``STALE_S`` (a hung step) is not waited for, and a dead process's word is removed.
+- a decode engine waits before each step while a prefill step on its node runs, at most
+  ``yield_to_prefill_s`` seconds (its streams' TPOT bound), and then steps anyway;
+- a prefill engine marks its step first, then waits for a decode step already running to
+  end, at most ``PREFILL_WAIT_S``.
+
+Each engine publishes one 8-byte word in shared memory (``/dev/shm``, named by its role, the
+node and the process): the monotonic clock (CLOCK_MONOTONIC, one clock for every process of
+the host) when its running step began, 0 between steps. Both sides set their own word before
+they look at the other's, and decode looks again after setting its own, so that at most one
+step of each overlaps when both start at once (the words carry no lock: an overlap costs
+time, never a result). A word busy for longer than ``STALE_S`` (a hung step) is not waited
+for, and a dead process's word is removed.
 
 Measured on an Intel Xeon (AMX, 2 cores, bf16), 2026-12-07: a 256-token prefill on 2 threads
 beside a batch-8 decode loop in another process took a median 112 ms (p90 131) with decode
 stepping throughout, 77 ms (p90 105) with decode's engine thread at nice 10, and 66 ms (p90
-71) with decode waiting on this signal; 70 ms with no decode running.
+71) with decode waiting for it; 70 ms with no decode running.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import tempfile
 import time
 from pathlib import Path
 
-PREFIX = "pdserve-prefill-busy-"
-STALE_S = 2.0  # a prefill step busy this long is hung (or a torn word): decode no longer waits for it
-POLL_S = 0.0005  # how often a waiting decode engine looks at the words
-RESCAN_S = 1.0  # how often it looks for new prefill engines on its node
+PREFIX = "pdserve-busy-"  # then the role, the node, the process and a counter
+STALE_S = 2.0  # a step busy this long is hung (or a torn word): no longer waited for
+PREFILL_WAIT_S = 0.1  # the longest a prefill step waits for a running decode step (one step at batch 64, 2 threads, is ~40 ms)
+POLL_S = 0.0005  # how often a waiting engine looks at the words
+RESCAN_S = 1.0  # how often it looks for new engines of the other role on its node
+ROLES = ("prefill", "decode")
 _ids = itertools.count()
 
 
@@ -47,44 +55,26 @@ def _scope(node: str) -> str:
     return re.sub(r"[^A-Za-z0-9]", "", node)[:32] or "node"
 
 
-class PrefillBusy:
-    """A prefill engine's word: ``before_step`` marks a step running, ``after_step`` ends it
-    (EngineLoop's gate). ``node``: this node's id (kv_transfer.factory.node_id)."""
+class CoreShare:
+    """An engine's gate (EngineLoop's ``gate``): ``role`` "prefill" or "decode", ``node`` its
+    node's id (kv_transfer.factory.node_id), ``max_wait_s`` the longest ``before_step`` waits
+    for the other role's steps. ``num_waits`` counts the steps that waited and ``wait_s`` the
+    seconds they waited. Raises ValueError for an unknown role or a wait that is not > 0."""
 
-    def __init__(self, node: str, directory: Path | None = None):
-        self.path = (directory or signal_dir()) / f"{PREFIX}{_scope(node)}-{os.getpid()}-{next(_ids)}"
+    def __init__(self, node: str, role: str, max_wait_s: float, directory: Path | None = None):
+        if role not in ROLES or not max_wait_s > 0:
+            raise ValueError(f"role must be one of {ROLES} and max_wait_s > 0, not {role!r} and {max_wait_s!r}")
+        self.role, self.max_wait_s, self.dir = role, max_wait_s, directory or signal_dir()
+        other = ROLES[1 - ROLES.index(role)]
+        self.prefix = f"{PREFIX}{other}-{_scope(node)}-"  # the other role's words on this node
+        self.path = self.dir / f"{PREFIX}{role}-{_scope(node)}-{os.getpid()}-{next(_ids)}"
         with open(self.path, "wb") as f:
             f.write(b"\0" * 8)
         with open(self.path, "r+b") as f:
             self._word = mmap.mmap(f.fileno(), 8)
-
-    def before_step(self) -> None:
-        struct.pack_into("q", self._word, 0, time.monotonic_ns())
-
-    def after_step(self) -> None:
-        struct.pack_into("q", self._word, 0, 0)
-
-    def close(self) -> None:
-        try:
-            self.after_step()
-            self._word.close()
-        except (ValueError, BufferError):
-            pass
-        self.path.unlink(missing_ok=True)
-
-
-class YieldToPrefill:
-    """A decode engine's gate: ``before_step`` waits while a prefill step on ``node`` runs,
-    at most ``max_wait_s`` seconds. ``num_yields`` counts the steps that waited and
-    ``yield_s`` the seconds they waited."""
-
-    def __init__(self, node: str, max_wait_s: float, directory: Path | None = None):
-        if not max_wait_s > 0:
-            raise ValueError(f"max_wait_s must be > 0, not {max_wait_s!r}")
-        self.max_wait_s, self.dir, self.prefix = max_wait_s, directory or signal_dir(), f"{PREFIX}{_scope(node)}-"
-        self._words: dict[str, mmap.mmap] = {}
+        self._others: dict[str, mmap.mmap] = {}
         self._scanned = float("-inf")
-        self.num_yields, self.yield_s = 0, 0.0
+        self.num_waits, self.wait_s = 0, 0.0
 
     def _rescan(self) -> None:
         names = set()
@@ -94,42 +84,69 @@ class YieldToPrefill:
                 path.unlink(missing_ok=True)  # its process died, mid-step or not
                 continue
             names.add(path.name)
-            if path.name not in self._words:
+            if path.name not in self._others:
                 try:
                     with open(path, "r+b") as f:
-                        self._words[path.name] = mmap.mmap(f.fileno(), 8)
+                        self._others[path.name] = mmap.mmap(f.fileno(), 8)
                 except (OSError, ValueError):  # gone, or not yet written
                     names.discard(path.name)
-        for name in set(self._words) - names:
-            self._words.pop(name).close()
+        for name in set(self._others) - names:
+            self._others.pop(name).close()
 
     def busy(self) -> bool:
-        """Whether a prefill step on this node began less than STALE_S ago and has not ended."""
+        """Whether a step of the other role on this node began less than STALE_S ago and has not ended."""
         now = time.monotonic_ns()
-        return any(0 < (since := struct.unpack_from("q", word, 0)[0]) <= now and now - since < STALE_S * 1e9 for word in self._words.values())
+        return any(0 < (since := struct.unpack_from("q", word, 0)[0]) <= now and now - since < STALE_S * 1e9
+                   for word in self._others.values())
+
+    def _wait(self, start: float) -> None:
+        while self.busy() and time.monotonic() - start < self.max_wait_s:
+            time.sleep(POLL_S)
 
     def before_step(self) -> None:
         start = time.monotonic()
         if start - self._scanned >= RESCAN_S:
             self._rescan()
             self._scanned = start
-        if not self._words or not self.busy():
-            return
-        while self.busy() and time.monotonic() - start < self.max_wait_s:
-            time.sleep(POLL_S)
-        self.num_yields += 1
-        self.yield_s += time.monotonic() - start
+        mark = lambda: struct.pack_into("q", self._word, 0, time.monotonic_ns())  # noqa: E731
+        if self.role == "prefill" or not self._others:
+            mark()
+            if not self._others or not self.busy():
+                return
+            self._wait(start)  # a decode step already running: let it end
+        else:
+            if not self.busy():
+                mark()
+                if not self.busy():
+                    return
+                self.after_step()  # a prefill marked its step meanwhile: it goes first
+            while True:
+                self._wait(start)
+                mark()
+                if not self.busy() or time.monotonic() - start >= self.max_wait_s:
+                    break
+                self.after_step()
+        self.num_waits += 1
+        self.wait_s += time.monotonic() - start
 
     def after_step(self) -> None:
-        pass
+        struct.pack_into("q", self._word, 0, 0)
 
     def stats(self) -> dict[str, float]:
-        return {"num_prefill_yields": self.num_yields, "prefill_yield_s": self.yield_s}
+        """decode: ``num_prefill_yields`` and ``prefill_yield_s``; prefill: ``num_decode_waits`` and ``decode_wait_s``."""
+        return ({"num_prefill_yields": self.num_waits, "prefill_yield_s": self.wait_s} if self.role == "decode"
+                else {"num_decode_waits": self.num_waits, "decode_wait_s": self.wait_s})
 
     def close(self) -> None:
-        for word in self._words.values():
+        for word in self._others.values():
             word.close()
-        self._words.clear()
+        self._others.clear()
+        try:
+            self.after_step()
+            self._word.close()
+        except (ValueError, BufferError):
+            pass
+        self.path.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

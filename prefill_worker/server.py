@@ -14,7 +14,7 @@ from kv_transfer.progress import LayerProgress, StreamedKVSource
 from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
 from pdserve.callers import CallerWatch
 from pdserve.config import ClusterConfig
-from pdserve.core_share import PrefillBusy
+from pdserve.core_share import PREFILL_WAIT_S, CoreShare
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import PrefillRequest, PrefillResult, PrefillStarted
@@ -51,9 +51,9 @@ class PrefillServer:
         self.replica = replica_name()  # which replica answered a stats call (prefix-routing tests)
         # its KV pool where a same-node decode worker can read it (shm, cuda_ipc)
         self.engine, fingerprint = build_engine(self.cfg, "prefill", kv_memory=functools.partial(prefill_pool_memory, self.cfg.kv_transfer))
-        # decode on this node waits for this engine's steps (decode.yield_to_prefill_s, pdserve/core_share.py)
-        gate = PrefillBusy(self.node_id) if self.cfg.decode.yield_to_prefill_s > 0 else None
-        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice, gate)
+        # this engine and decode's on this node take turns (decode.yield_to_prefill_s, pdserve/core_share.py)
+        self.share_gate = CoreShare(self.node_id, "prefill", PREFILL_WAIT_S) if self.cfg.decode.yield_to_prefill_s > 0 else None
+        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice, self.share_gate)
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or kv_bind_host(), fingerprint=fingerprint,
                                      block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path,
                                      cuda_ipc=self.engine.kv_cache.ipc_handles is not None,
@@ -151,7 +151,8 @@ class PrefillServer:
 
     def _stats(self) -> dict[str, int]:
         return {"num_requests": self.num_requests, "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica, **self.callers.stats(),
-                "kv_address": getattr(self.kv_sender, "address", ""), **self.engine.stats(), **self.kv_sender.stats()}
+                "kv_address": getattr(self.kv_sender, "address", ""), **self.engine.stats(), **self.kv_sender.stats(),
+                **(self.share_gate.stats() if self.share_gate is not None else {})}
 
     def check_health(self) -> None:
         """Ray Serve's health check: fails if the engine thread died or one step hangs."""

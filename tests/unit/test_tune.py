@@ -65,3 +65,28 @@ def test_tune_predicts_colocated_from_a_profile_on_all_cores(tmp_path):
     path.write_text(json.dumps({"1": PROFILE, "2": PROFILE}))
     result = tune.main(["--profile", str(path), "--workers", "2", "--num-requests", "100", "--out", str(tmp_path)])
     assert result["colocated"]["threads"] == 2 and result["colocated"]["predicted_goodput_rps"] > 0
+
+
+def test_decode_yielding_waits_out_each_prefill_at_most_yield_s(monkeypatch):
+    """``yield_s`` (decode.yield_to_prefill_s): arrivals at 0 and 1, prefill a = 0.5 s, decode
+    steps d = 0.125 s (binary fractions: exact sums). The second prompt's prefill runs over
+    [1, 1.5) while the first request decodes its 7 steps from 0.5. Waiting, its step due at 1
+    starts at 1.5; capped at 0.25 s, it starts at 1.25, and the next, due at 1.375, waits to
+    1.5. Prefill never waits for decode."""
+
+    class Arrivals:
+        def __init__(self, seed):
+            self.gaps = iter([0.0, 1.0])
+
+        def expovariate(self, rate):
+            return next(self.gaps)
+
+    monkeypatch.setattr(tune.random, "Random", Arrivals)
+    specs, fits = [tune.serve.RequestSpec(1, 8), tune.serve.RequestSpec(1, 2)], ((0.5, 0.0, 0.0), (0.125, 0.0))
+    free_ttft, free_tpot = tune.simulate(specs, 1.0, 1, 1, *fits)
+    wait_ttft, wait_tpot = tune.simulate(specs, 1.0, 1, 1, *fits, yield_s=10.0)
+    capped_ttft, capped_tpot = tune.simulate(specs, 1.0, 1, 1, *fits, yield_s=0.25)
+    assert free_ttft == wait_ttft == capped_ttft == [0.5, 0.5]
+    assert free_tpot[0] == 0.875 / 7
+    assert wait_tpot[0] == (0.875 + 0.5) / 7
+    assert capped_tpot[0] == (0.875 + 0.25 + 0.125) / 7
