@@ -311,7 +311,8 @@ def predict(system: str, profiles: dict, cores: int, specs, args, ttft_slo: floa
     g = tune.predicted_goodput(specs, n_p, n_d, *fits, ttft_slo, tpot_slo, args.attainment, yield_s=wait)
     on_grid = max((r for r in rates if tune.predicted_attainment(specs, r, n_p, n_d, *fits, ttft_slo, tpot_slo, wait) >= args.attainment),
                   default=0.0)
-    exact = system in ("colocated", "disaggregated-always", "disaggregated-yield", "disaggregated-share")  # as deployed
+    exact = system in ("colocated", "disaggregated-always")  # what the simulation models as deployed (taking turns leaves out
+    # prefill's wait for a running decode step and the two contending after a capped wait)
     return {"goodput_rps": g, "on_sweep_rates_rps": on_grid, "model": model if exact else model + " (approximation: see bench/compare.py)"}
 
 

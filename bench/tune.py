@@ -89,7 +89,8 @@ def _union(intervals: list[tuple[float, float]]) -> tuple[list[float], list[floa
 def simulate(specs: list[serve.RequestSpec], rate: float, n_prefill: int, n_decode: int, prefill_fit, decode_fit, seed: int = 0,
              yield_s: float = 0.0):
     """(TTFT, TPOT) per request, in seconds, for Poisson arrivals at ``rate``; ``yield_s`` > 0:
-    a decode step due while a prefill runs waits for its end, at most ``yield_s``."""
+    a decode step due while a prefill runs waits for its end, at most ``yield_s`` (every
+    replica on one node, as decode.yield_to_prefill_s has them)."""
     rng = random.Random(seed)
     a, b, c = prefill_fit
     d, e = decode_fit

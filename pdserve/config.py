@@ -435,8 +435,9 @@ class ClusterConfig:
             if not _int_in(pool.stream_interval, 1, 64):
                 raise ConfigError(f"{name}.stream_interval must be an integer from 1 to 64 tokens, not {pool.stream_interval!r}")
             wait = pool.yield_to_prefill_s
-            if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10:
-                raise ConfigError(f"{name}.yield_to_prefill_s must be a number of seconds from 0 (never) to 10, not {wait!r}")
+            if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 2:
+                raise ConfigError(f"{name}.yield_to_prefill_s must be a number of seconds from 0 (never) to 2 (a prefill step busy "
+                                  f"longer counts as hung: core_share.STALE_S), not {wait!r}")
             if not _int_in(pool.engine_nice, -20, 19):
                 raise ConfigError(f"{name}.engine_nice must be an integer from -20 to 19, not {pool.engine_nice!r}")
             _check_actor_options(name, pool.ray_actor_options)

@@ -13,11 +13,13 @@ thread. With ``decode.yield_to_prefill_s`` > 0 the two take turns:
 
 Each engine publishes one 8-byte word in shared memory (``/dev/shm``, named by its role, the
 node and the process): the monotonic clock (CLOCK_MONOTONIC, one clock for every process of
-the host) when its running step began, 0 between steps. Both sides set their own word before
-they look at the other's, and decode looks again after setting its own, so that at most one
-step of each overlaps when both start at once (the words carry no lock: an overlap costs
-time, never a result). A word busy for longer than ``STALE_S`` (a hung step) is not waited
-for, and a dead process's word is removed.
+the host) when its running step began, 0 between steps. Prefill sets its word, then looks at
+decode's; decode looks at prefill's, sets its own and looks again (and clears it and waits
+while a prefill step has begun meanwhile), so that at most one step of each overlaps when
+both start at once (the words carry no lock: an overlap costs time, never a result). A word
+busy for longer than ``STALE_S`` (a hung step) is not waited for, and a dead process's word
+is removed at the next look for new engines (``RESCAN_S``). EngineLoop fails open: a gate
+that raises is logged and dropped, and the engine steps on alone.
 
 Measured on an Intel Xeon (AMX, 2 cores, bf16), 2026-12-07: a 256-token prefill on 2 threads
 beside a batch-8 decode loop in another process took a median 112 ms (p90 131) with decode
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 
 PREFIX = "pdserve-busy-"  # then the role, the node, the process and a counter
-STALE_S = 2.0  # a step busy this long is hung (or a torn word): no longer waited for
+STALE_S = 2.0  # a step busy this long is hung (or a torn word): no longer waited for (config.py caps yield_to_prefill_s at it)
 PREFILL_WAIT_S = 0.1  # the longest a prefill step waits for a running decode step (one step at batch 64, 2 threads, is ~40 ms)
 POLL_S = 0.0005  # how often a waiting engine looks at the words
 RESCAN_S = 1.0  # how often it looks for new engines of the other role on its node
@@ -79,17 +81,17 @@ class CoreShare:
     def _rescan(self) -> None:
         names = set()
         for path in self.dir.glob(self.prefix + "*"):
-            pid = int(path.name[len(self.prefix):].split("-")[0] or 0)
-            if pid != os.getpid() and not _alive(pid):
-                path.unlink(missing_ok=True)  # its process died, mid-step or not
-                continue
-            names.add(path.name)
-            if path.name not in self._others:
-                try:
+            try:
+                pid = int(path.name[len(self.prefix):].split("-")[0])
+                if pid != os.getpid() and not _alive(pid):
+                    path.unlink(missing_ok=True)  # its process died, mid-step or not
+                    continue
+                if path.name not in self._others:
                     with open(path, "r+b") as f:
                         self._others[path.name] = mmap.mmap(f.fileno(), 8)
-                except (OSError, ValueError):  # gone, or not yet written
-                    names.discard(path.name)
+                names.add(path.name)
+            except (OSError, ValueError):  # not a word of ours, gone, not yet written, or another user's
+                continue
         for name in set(self._others) - names:
             self._others.pop(name).close()
 

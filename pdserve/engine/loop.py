@@ -211,6 +211,25 @@ class EngineLoop:
                 if not target[2]:
                     del self._outputs[seq.request_id]
 
+    def _gate(self, call: str) -> None:
+        """The gate's ``before_step`` or ``after_step``; a gate that raises is logged, closed and
+        dropped (the engine steps on without taking turns) rather than failing the step."""
+        if self.gate is None:
+            return
+        try:
+            getattr(self.gate, call)()
+        except Exception:  # noqa: BLE001 - taking turns is an optimisation, never a reason to fail requests
+            log.exception("engine gate %s failed; stepping without it from now on", call)
+            self._drop_gate()
+
+    def _drop_gate(self) -> None:
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            try:
+                gate.close()
+            except Exception:  # noqa: BLE001
+                log.exception("engine gate close failed")
+
     def _set_nice(self) -> None:
         """Give this (the engine) thread its niceness; on Linux setpriority with a thread id
         sets that thread alone. A lower value than the process's needs CAP_SYS_NICE: without
@@ -227,9 +246,10 @@ class EngineLoop:
         try:
             self._steps()
         finally:  # the engine's tensor-parallel ranks and shared pool go with its thread
-            self.engine.close()
-            if self.gate is not None:
-                self.gate.close()
+            try:
+                self.engine.close()
+            finally:
+                self._drop_gate()
 
     def _steps(self) -> None:
         while not self._stop.is_set():
@@ -258,15 +278,11 @@ class EngineLoop:
                 log.error("fault injection (%s): this engine step hangs", HANG_FILE_ENV)
                 self._stop.wait()
                 return
+            self._gate("before_step")
             try:
-                if self.gate is not None:
-                    self.gate.before_step()
-                try:
-                    outputs = self.engine.step()
-                finally:
-                    if self.gate is not None:
-                        self.gate.after_step()
+                outputs = self.engine.step()
             except Exception as e:  # a failed forward fails the requests in it, not the worker
+                self._gate("after_step")
                 self._step_started = None
                 log.exception("engine step failed")
                 broken = self._broken()
@@ -277,6 +293,7 @@ class EngineLoop:
                     self._emit(seq, e)
                     self._drop(seq)
                 continue
+            self._gate("after_step")
             self._step_started = None
             for seq in outputs:
                 reason = seq.finish_reason

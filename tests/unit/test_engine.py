@@ -242,6 +242,40 @@ def test_the_loops_gate_brackets_every_step_on_its_thread_even_one_that_fails():
     assert_all_blocks_free(engine)
 
 
+def test_a_gate_that_raises_is_dropped_and_the_engine_steps_on():
+    """Taking turns is an optimisation: a gate whose before_step raises (a stray file in
+    /dev/shm, say) is logged, closed and dropped, and the request is served."""
+    engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=64, block_size=4), EOS, 512)
+    closed = []
+
+    class Broken:
+        def before_step(self):
+            raise PermissionError("not ours")
+
+        def after_step(self):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    loop = EngineLoop(engine, gate=Broken())
+
+    async def main():
+        seq = Sequence("g", random_prompts([7])[0], 7, SamplingParams(max_tokens=3, ignore_eos=True))
+        queue = loop.submit(seq)
+        tokens = []
+        while True:
+            chunk = await asyncio.wait_for(queue.get(), timeout=30)
+            tokens += chunk.token_ids
+            if chunk.finish_reason is not None:
+                return tokens
+
+    assert len(asyncio.run(main())) == 3
+    assert closed == [True] and loop.gate is None
+    loop.close(wait_s=30)
+    assert_all_blocks_free(engine)
+
+
 def test_submit_and_abort_never_wait_for_a_running_step():
     """The event loop queues requests and aborts for the engine thread: with the engine's lock
     held (as through a long prefill step) both return at once, and once the step ends the
