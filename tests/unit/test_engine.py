@@ -198,7 +198,7 @@ def test_loop_runs_the_engine_thread_at_its_niceness():
 
 
 def test_the_loops_gate_brackets_every_step_on_its_thread_even_one_that_fails():
-    """EngineLoop's ``gate`` (pdserve/core_share.py's PrefillBusy and YieldToPrefill): before_step
+    """EngineLoop's ``gate`` (pdserve/core_share.py's CoreShare): before_step
     and after_step around each step, on the engine thread, after_step also when the step
     raises (a prefill word left busy would hold decode back); closed with the loop."""
     engine = Engine(tiny_model("llama"), EngineConfig(num_blocks=64, block_size=4), EOS, 512)
