@@ -16,7 +16,7 @@ from kv_transfer.paged import PagedKVSink
 from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
 from pdserve.callers import CallerWatch
 from pdserve.config import ClusterConfig
-from pdserve.core_share import CoreShare
+from pdserve.core_share import gate_for
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
@@ -77,10 +77,9 @@ class DecodeServer:
         self.node_id = node_id()  # Ray node id: where this replica runs (stats, placement tests)
         self.replica = replica_name()  # which replica answered a stats call
         self.engine, fingerprint = build_engine(self.cfg, pool)
-        wait = self.pool_cfg.yield_to_prefill_s if pool == "decode" else 0
-        # steps wait for a prefill step on this node (decode.yield_to_prefill_s, pdserve/core_share.py)
-        self.yield_gate = CoreShare(self.node_id, "decode", wait) if wait > 0 else None
-        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice, self.yield_gate)
+        # steps wait for a prefill step on this node (decode.yield_to_prefill_s, pdserve/core_share.py; not colocated)
+        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice,
+                               gate_for(self.cfg.decode.yield_to_prefill_s, pool, self.node_id))
         self.kv_receiver = make_receiver(self.cfg.kv_transfer, fingerprint=fingerprint, secret=self.cfg.security.kv_secret)
         self.num_kv_fetched = 0
         self.num_kv_faults = 0  # fetches that failed; each recomputed or failed per kv_transfer.on_fault
@@ -394,7 +393,7 @@ class DecodeServer:
             "num_kv_fetched": self.num_kv_fetched, "num_kv_faults": self.num_kv_faults, "num_recomputed": self.num_recomputed,
             "num_migrated_in": self.num_migrated_in, "num_aborted_by_id": self.num_aborted_by_id,
             "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica, **self.callers.stats(),
-            **(self.yield_gate.stats() if self.yield_gate is not None else {}),
+            **(self.loop.gate.stats() if self.loop.gate is not None else {}),
             **self.engine.stats(), **{f"kv_{k}": v for k, v in self.kv_receiver.stats().items()},
         }
 

@@ -57,6 +57,15 @@ def _scope(node: str) -> str:
     return re.sub(r"[^A-Za-z0-9]", "", node)[:32] or "node"
 
 
+def gate_for(yield_to_prefill_s: float, pool: str, node: str) -> "CoreShare | None":
+    """The gate of a ``pool`` engine on ``node`` (EngineLoop's ``gate``): with
+    ``decode.yield_to_prefill_s`` > 0, prefill's (waits PREFILL_WAIT_S at most) or decode's
+    (waits that long at most); None for colocated or when the engines do not take turns."""
+    if not yield_to_prefill_s > 0 or pool not in ROLES:
+        return None
+    return CoreShare(node, pool, PREFILL_WAIT_S if pool == "prefill" else yield_to_prefill_s)
+
+
 class CoreShare:
     """An engine's gate (EngineLoop's ``gate``): ``role`` "prefill" or "decode", ``node`` its
     node's id (kv_transfer.factory.node_id), ``max_wait_s`` the longest ``before_step`` waits

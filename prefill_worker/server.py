@@ -14,7 +14,7 @@ from kv_transfer.progress import LayerProgress, StreamedKVSource
 from pdserve.autoscaling import BusyMeter, LatencyWindow, replica_stats
 from pdserve.callers import CallerWatch
 from pdserve.config import ClusterConfig
-from pdserve.core_share import PREFILL_WAIT_S, CoreShare
+from pdserve.core_share import gate_for
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import PrefillRequest, PrefillResult, PrefillStarted
@@ -52,8 +52,8 @@ class PrefillServer:
         # its KV pool where a same-node decode worker can read it (shm, cuda_ipc)
         self.engine, fingerprint = build_engine(self.cfg, "prefill", kv_memory=functools.partial(prefill_pool_memory, self.cfg.kv_transfer))
         # this engine and decode's on this node take turns (decode.yield_to_prefill_s, pdserve/core_share.py)
-        self.share_gate = CoreShare(self.node_id, "prefill", PREFILL_WAIT_S) if self.cfg.decode.yield_to_prefill_s > 0 else None
-        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice, self.share_gate)
+        self.loop = EngineLoop(self.engine, self.pool_cfg.max_step_s, self.pool_cfg.engine_nice,
+                               gate_for(self.cfg.decode.yield_to_prefill_s, "prefill", self.node_id))
         self.kv_sender = make_sender(self.cfg.kv_transfer, self.cfg.kv_transfer.bind_host or kv_bind_host(), fingerprint=fingerprint,
                                      block_size=self.engine.config.block_size, shm_path=self.engine.kv_cache.shm_path,
                                      cuda_ipc=self.engine.kv_cache.ipc_handles is not None,
@@ -152,7 +152,7 @@ class PrefillServer:
     def _stats(self) -> dict[str, int]:
         return {"num_requests": self.num_requests, "rss_bytes": rss_bytes(), "node_id": self.node_id, "replica": self.replica, **self.callers.stats(),
                 "kv_address": getattr(self.kv_sender, "address", ""), **self.engine.stats(), **self.kv_sender.stats(),
-                **(self.share_gate.stats() if self.share_gate is not None else {})}
+                **(self.loop.gate.stats() if self.loop.gate is not None else {})}
 
     def check_health(self) -> None:
         """Ray Serve's health check: fails if the engine thread died or one step hangs."""
