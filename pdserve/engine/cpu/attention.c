@@ -526,7 +526,8 @@ static void attend_range(const void *args, int64_t begin, int64_t end) {
     const attn_args *a = (const attn_args *)args;
     if (attend_range_amx(a, begin, end) || attend_range_dp(a, begin, end)) return;
     const int64_t G = a->heads / a->kv_heads, D = a->D, R = QB * G;
-    float *work = malloc(sizeof(float) * (size_t)(2 * R * D + 2 * D * KT + 2 * R));
+    float *work = 0; /* 64-byte aligned: each row's vectors in whole cache lines */
+    if (posix_memalign((void **)&work, 64, sizeof(float) * (size_t)(2 * R * D + 2 * D * KT + 2 * R))) abort();
     for (int64_t i = begin; i < end; i++) { /* unit = query block * kv_heads + kv head */
         int64_t unit = unit_at(a, i), b = unit / a->kv_heads, g = unit % a->kv_heads;
         attend_unit(a, a->blocks[b], a->blocks[b + 1], g, work);

@@ -51,8 +51,10 @@ int decoder_layers(const decoder_model *m, void *h, void *res, int64_t N, const 
                    const int32_t *token_seq, const int32_t *block_tables, int64_t max_blocks) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate, es = m->bf ? 2 : 4;
     const int64_t QKV = (m->heads + 2 * m->kv_heads) * D, O = m->heads * D;
-    char *mem = malloc((size_t)(N * (H + QKV + O + H + 2 * I + I) * es));
-    if (!mem) return -2;
+    /* 64-byte aligned, as torch's tensors are: malloc's 16 would start every row of these
+     * activations mid cache line, and each vector and tile load of them would touch two */
+    char *mem = 0;
+    if (posix_memalign((void **)&mem, 64, (size_t)(N * (H + QKV + O + H + 2 * I + I) * es))) return -2;
     char *x = mem, *qkv = x + N * H * es, *o = qkv + N * QKV * es, *t = o + N * O * es, *gu = t + N * H * es, *act = gu + N * 2 * I * es;
     int rc = 0;
     for (int64_t l = 0; l < m->layers && rc == 0; l++) {
