@@ -207,6 +207,22 @@ static inline __mmask16 softmax_rows(const float *st, const int32_t *lp, int row
 #define AMX_O_STORE(T) do { if ((T) < ND) _tile_stored(T, w->o + 16 * (T), D * 4); } while (0)
 #define AMX_O_LOAD(T) do { if ((T) < ND) amx_load(T, w->o + 16 * (T), D * 4); } while (0)
 
+/* The rows of keys from .. to (inclusive, none where to < from) of one head through a block
+ * table, at out[n ..]: base + slot * D each, the block walked (one division per call, not per
+ * key). Returns n plus their count. */
+static inline int amx_walk_rows(const uint16_t **out, int n, const int32_t *table, const uint16_t *base, int64_t from, int64_t to, int64_t bs,
+                                int64_t D) {
+    if (to < from) return n;
+    int64_t blk = from / bs, off = from % bs;
+    const uint16_t *row = base + ((int64_t)table[blk] * bs + off) * D;
+    for (int64_t j = from; j <= to; j++) {
+        out[n++] = row;
+        if (++off == bs) blk++, off = 0, row = j < to ? base + (int64_t)table[blk] * bs * D : row;
+        else row += D;
+    }
+    return n;
+}
+
 /* The keys and values of the unit's tiles [0, ntiles) (keys 0 .. last): half tiles of keys
  * as A tiles (in place where 16 whole rows of one block, else copied with zeros past last)
  * and values as B tiles (row i of d-chunk c interleaves keys 2i and 2i + 1, zeros past last).
@@ -228,10 +244,8 @@ static void amx_stage_tiles(const attn_args *a, const int32_t *table, const uint
     for (int64_t jt = 0; jt < ntiles; jt++) {
         const int64_t j0 = jt * AT, n = last + 1 - j0 < AT ? last + 1 - j0 : AT;
         const uint16_t *kr[AT], *vr[AT];
-        for (int64_t j = 0; j < n; j++) {
-            int64_t slot = (int64_t)table[(j0 + j) / a->block_size] * a->block_size + (j0 + j) % a->block_size;
-            kr[j] = kh + slot * D, vr[j] = vh + slot * D;
-        }
+        amx_walk_rows(vr, 0, table, vh, j0, j0 + n - 1, a->block_size, D);
+        for (int64_t j = 0; j < n; j++) kr[j] = vr[j] + (kh - vh);
         for (int hf = 0; hf < 2; hf++) {
             int64_t j = 16 * hf, nh = n - j;
             int whole = nh >= 16; /* 16 rows D apart: one block's (every row checked: blocks of other sizes may line up at the ends only) */
@@ -247,24 +261,20 @@ static void amx_stage_tiles(const attn_args *a, const int32_t *table, const uint
             }
         }
         uint16_t *vt = w->vt + jt * D * 32;
-        const char *pf[AT]; /* the rows of keys and values two tiles on, asked for into L2 a pair at a time */
-        int64_t npf = 0;
-        for (int64_t j = j0 + 2 * AT; ahead && j < j0 + 3 * AT; j++) {
-            const int32_t *tb = table;
-            const uint16_t *vb = vh;
-            int64_t jj = j;
-            if (j > last) { /* past this unit's keys: the next unit's first (amx_attn_work.next) */
-                jj = j - ntiles * AT;
-                if (jj < 0) continue;
-                if (!w->next_table || jj > w->next_last) break;
-                tb = w->next_table, vb = w->next_vh;
+        const uint16_t *pf[AT]; /* the rows of values two tiles on (keys: the same offset from the keys' pool), asked for into L2 a pair at a time */
+        int npf = 0;
+        if (ahead) { /* this unit's keys up to its last, then past its last tile, the next unit's first (amx_attn_work.next) */
+            const int64_t lo = j0 + 2 * AT, hi = j0 + 3 * AT - 1;
+            npf = amx_walk_rows(pf, 0, table, vh, lo, hi < last ? hi : last, a->block_size, D);
+            if (w->next_table && hi >= ntiles * AT) {
+                const int64_t nlo = lo - ntiles * AT > 0 ? lo - ntiles * AT : 0, nhi = hi - ntiles * AT;
+                npf = amx_walk_rows(pf, npf, w->next_table, w->next_vh, nlo, nhi < w->next_last ? nhi : w->next_last, a->block_size, D);
             }
-            int64_t slot = (int64_t)tb[jj / a->block_size] * a->block_size + jj % a->block_size;
-            pf[npf++] = (const char *)(vb + slot * D);
         }
         for (int64_t i = 0; i < AT / 2; i++) {
             for (int64_t q = 2 * i; q < 2 * i + 2 && q < npf; q++)
-                for (int64_t x = 0; x < D * 2; x += 64) _mm_prefetch(pf[q] + x, _MM_HINT_T1), _mm_prefetch(pf[q] + (kh - vh) * 2 + x, _MM_HINT_T1);
+                for (int64_t x = 0; x < D * 2; x += 64)
+                    _mm_prefetch((const char *)pf[q] + x, _MM_HINT_T1), _mm_prefetch((const char *)(pf[q] + (kh - vh)) + x, _MM_HINT_T1);
             if (2 * i < n)
                 for (int64_t x = 0; x < D * 2; x += 64) _mm_prefetch((const char *)kr[2 * i] + x, _MM_HINT_T1);
             if (2 * i + 1 < n)
