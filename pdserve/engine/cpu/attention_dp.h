@@ -96,25 +96,34 @@ static inline __attribute__((always_inline)) void dp_scores_transposed(const int
     for (int r = 0; r < NR; r++) _mm512_storeu_ps(s[r], o[r]);
 }
 
-/* The tile's values in key pairs: vp[jp * D + d] = (v_2jp[d], v_2jp+1[d]), jp < DT / 2. */
+/* acc's layout: each 32 elements d0 .. d0 + 31 of a row (d0 % 32 == 0) sit as two vectors, the
+ * lanes of _mm512_unpacklo_epi16 / _mm512_unpackhi_epi16 of two value rows' bf16 elements
+ * d0 .. d0 + 31: lane i of the first holds d0 + 8 (i / 4) + i % 4, of the second that + 4.
+ * Each element's sums are the same whatever lane holds it: the layout is a permutation. */
+static inline int64_t dp_acc_index(int64_t d) {
+    const int64_t w = d % 8;
+    return d / 32 * 32 + (w < 4 ? 0 : 16) + (d % 32) / 8 * 4 + w % 4;
+}
+
+/* The tile's values in key pairs, in acc's layout: vp[jp * D + d0 ..] the unpack lo then hi of
+ * v_2jp's and v_2jp+1's elements d0 .. d0 + 31, jp < DT / 2 (a permutation, no rounding). For
+ * many rows, which then share each load; few rows pair the values in registers instead. */
 static void dp_pair_values(uint32_t *vp, const char *const *vr, int64_t D) {
-    static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int jp = 0; jp < DT / 2; jp++)
         for (int64_t d0 = 0; d0 < D; d0 += 32) {
-            __m512i x = _mm512_loadu_si512((const uint16_t *)vr[2 * jp] + d0), y = _mm512_loadu_si512((const uint16_t *)vr[2 * jp + 1] + d0);
-            _mm512_storeu_si512(vp + jp * D + d0, _mm512_permutex2var_epi16(x, lo, y));
-            _mm512_storeu_si512(vp + jp * D + d0 + 16, _mm512_permutex2var_epi16(x, hi, y));
+            const __m512i x = _mm512_loadu_si512((const uint16_t *)vr[2 * jp] + d0), y = _mm512_loadu_si512((const uint16_t *)vr[2 * jp + 1] + d0);
+            _mm512_storeu_si512(vp + jp * D + d0, _mm512_unpacklo_epi16(x, y));
+            _mm512_storeu_si512(vp + jp * D + d0 + 16, _mm512_unpackhi_epi16(x, y));
         }
 }
 
 /* One tile's softmax step and P V for NR rows at once (NR a constant, so that the rows'
  * independent chains interleave). s[i]: row i's DT unscaled scores; its keys in the tile are
  * lo[i] .. nr[i] - 1 (0 <= lo < nr <= DT); m[i], l[i], acc[i]: its running max, sum and [D]
- * accumulator, updated. cap: the soft-cap, or 0. */
+ * accumulator (in acc's layout), updated. vp: dp_pair_values' pairs, or NULL to pair the value
+ * rows vr[j] in registers. cap: the soft-cap, or 0. */
 static inline __attribute__((always_inline)) void dp_rows(const int NR, float *const *s, const int64_t *lo, const int64_t *nr, float *const *m,
-                                                          float *const *l, float *const *acc, const uint32_t *vp, int64_t D, __m512 scale,
+                                                          float *const *l, float *const *acc, const uint32_t *vp, const char *const *vr, int64_t D, __m512 scale,
                                                           float cap) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     uint16_t pb[DP_RB][DT];
@@ -144,15 +153,24 @@ static inline __attribute__((always_inline)) void dp_rows(const int NR, float *c
         _mm512_storeu_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         if (nr[i] > 16) np = DT / 2;
     }
-    /* acc += sum over key pairs of p V, pairs in order (a row's pairs past its keys have p = 0) */
+    /* acc += sum over key pairs of p V, pairs in order (a row's pairs past its keys have p = 0):
+     * each pair's two value rows interleaved in registers (unpack lo / hi: acc's layout) */
     int64_t d = 0;
     for (; d + 64 <= D; d += 64) {
         __m512 o[DP_RB][4];
         for (int i = 0; i < NR; i++)
             for (int k = 0; k < 4; k++) o[i][k] = _mm512_loadu_ps(acc[i] + d + 16 * k);
         for (int jp = 0; jp < np; jp++) {
-            const uint32_t *v = vp + jp * D + d;
-            const __m512i v0 = _mm512_loadu_si512(v), v1 = _mm512_loadu_si512(v + 16), v2 = _mm512_loadu_si512(v + 32), v3 = _mm512_loadu_si512(v + 48);
+            __m512i v0, v1, v2, v3;
+            if (vp) {
+                const uint32_t *v = vp + jp * D + d;
+                v0 = _mm512_loadu_si512(v), v1 = _mm512_loadu_si512(v + 16), v2 = _mm512_loadu_si512(v + 32), v3 = _mm512_loadu_si512(v + 48);
+            } else {
+                const uint16_t *x = (const uint16_t *)vr[2 * jp] + d, *y = (const uint16_t *)vr[2 * jp + 1] + d;
+                const __m512i x0 = _mm512_loadu_si512(x), y0 = _mm512_loadu_si512(y), x1 = _mm512_loadu_si512(x + 32), y1 = _mm512_loadu_si512(y + 32);
+                v0 = _mm512_unpacklo_epi16(x0, y0), v1 = _mm512_unpackhi_epi16(x0, y0);
+                v2 = _mm512_unpacklo_epi16(x1, y1), v3 = _mm512_unpackhi_epi16(x1, y1);
+            }
             for (int i = 0; i < NR; i++) {
                 const __m512i p = bcast_pair(pb[i] + 2 * jp);
                 o[i][0] = dpbf(o[i][0], p, v0), o[i][1] = dpbf(o[i][1], p, v1), o[i][2] = dpbf(o[i][2], p, v2), o[i][3] = dpbf(o[i][3], p, v3);
@@ -161,11 +179,19 @@ static inline __attribute__((always_inline)) void dp_rows(const int NR, float *c
         for (int i = 0; i < NR; i++)
             for (int k = 0; k < 4; k++) _mm512_storeu_ps(acc[i] + d + 16 * k, o[i][k]);
     }
-    for (; d < D; d += 16)
+    for (; d < D; d += 32) /* D % 64 == 32: the last 32 elements */
         for (int i = 0; i < NR; i++) {
-            __m512 o = _mm512_loadu_ps(acc[i] + d);
-            for (int jp = 0; jp < np; jp++) o = dpbf(o, bcast_pair(pb[i] + 2 * jp), _mm512_loadu_si512(vp + jp * D + d));
-            _mm512_storeu_ps(acc[i] + d, o);
+            __m512 o0 = _mm512_loadu_ps(acc[i] + d), o1 = _mm512_loadu_ps(acc[i] + d + 16);
+            for (int jp = 0; jp < np; jp++) {
+                const __m512i p = bcast_pair(pb[i] + 2 * jp);
+                if (vp) {
+                    o0 = dpbf(o0, p, _mm512_loadu_si512(vp + jp * D + d)), o1 = dpbf(o1, p, _mm512_loadu_si512(vp + jp * D + d + 16));
+                } else {
+                    const __m512i x = _mm512_loadu_si512((const uint16_t *)vr[2 * jp] + d), y = _mm512_loadu_si512((const uint16_t *)vr[2 * jp + 1] + d);
+                    o0 = dpbf(o0, p, _mm512_unpacklo_epi16(x, y)), o1 = dpbf(o1, p, _mm512_unpackhi_epi16(x, y));
+                }
+            }
+            _mm512_storeu_ps(acc[i] + d, o0), _mm512_storeu_ps(acc[i] + d + 16, o1);
         }
 }
 
@@ -229,7 +255,7 @@ static void attend_unit_dp(const attn_args *a, int64_t t0, int64_t t1, int64_t g
         if (j0 + DT <= last) nn = dp_tile_rows(a, table, kh, vh, j0 + DT, last, kn, vn);
         else kq = kn0, vq = vn0, nn = nn0;
         dp_prefetch(kq, vq, nn, &pf, 2 * nn < 16 ? 2 * nn : 16, D);
-        dp_pair_values(vp, vr, D);
+        if (transposed) dp_pair_values(vp, vr, D);
         dp_prefetch(kq, vq, nn, &pf, 2 * nn < 32 ? 2 * nn : 32, D);
         if (transposed) dp_transpose_keys(kt, kr, D), dp_transpose_keys(kt + D / 2 * 16, kr + 16, D);
         float s6[DP_RB][DT];
@@ -260,19 +286,29 @@ static void attend_unit_dp(const attn_args *a, int64_t t0, int64_t t1, int64_t g
                 sl[live] = s6[i], nl[live] = nr, lw[live] = lo > 0 ? lo : 0, ml[live] = m + r, ll[live] = l + r, al[live] = acc + r * D, live++;
             }
             const float cap = a->softcap;
+            const uint32_t *tvp = transposed ? vp : NULL;
             int i = 0;
-            if (live == DP_RB) dp_rows(DP_RB, sl, lw, nl, ml, ll, al, vp, D, scale, cap), i = DP_RB;
-            for (; i + 3 <= live; i += 3) dp_rows(3, sl + i, lw + i, nl + i, ml + i, ll + i, al + i, vp, D, scale, cap);
-            for (; i < live; i++) dp_rows(1, sl + i, lw + i, nl + i, ml + i, ll + i, al + i, vp, D, scale, cap);
+            if (live == DP_RB) dp_rows(DP_RB, sl, lw, nl, ml, ll, al, tvp, vr, D, scale, cap), i = DP_RB;
+            for (; i + 3 <= live; i += 3) dp_rows(3, sl + i, lw + i, nl + i, ml + i, ll + i, al + i, tvp, vr, D, scale, cap);
+            for (; i < live; i++) dp_rows(1, sl + i, lw + i, nl + i, ml + i, ll + i, al + i, tvp, vr, D, scale, cap);
         }
         dp_prefetch(kq, vq, nn, &pf, 2 * nn, D);
         memcpy(kr, kn, sizeof kr), memcpy(vr, vn, sizeof vr), n = nn;
     }
+    /* lanes of (lo, hi) in natural order: d0 + 0..15 are lo 0-3, hi 0-3, lo 4-7, hi 4-7, then 8-15 */
+    const __m512i dp_nat_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i dp_nat_hi = _mm512_add_epi32(dp_nat_lo, _mm512_set1_epi32(8));
     for (int64_t r = 0; r < R; r++) {
         int64_t t = t0 + r / G, h = r % G;
         uint16_t *o = (uint16_t *)a->out + (t * a->heads + g * G + h) * D;
         float inv = 1.0f / l[r];
-        for (int64_t d = 0; d < D; d++) o[d] = bf16_round(acc[r * D + d] * inv);
+        float nat[MAX_D]; /* acc's row in natural order, times inv */
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0), vinv), hi = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16), vinv);
+            _mm512_storeu_ps(nat + d0, _mm512_permutex2var_ps(lo, dp_nat_lo, hi)), _mm512_storeu_ps(nat + d0 + 16, _mm512_permutex2var_ps(lo, dp_nat_hi, hi));
+        }
+        for (int64_t d = 0; d < D; d++) o[d] = bf16_round(nat[d]);
     }
 }
 
