@@ -99,12 +99,8 @@ static inline __attribute__((always_inline)) void dp_scores_transposed(const int
 /* acc's layout: each 32 elements d0 .. d0 + 31 of a row (d0 % 32 == 0) sit as two vectors, the
  * lanes of _mm512_unpacklo_epi16 / _mm512_unpackhi_epi16 of two value rows' bf16 elements
  * d0 .. d0 + 31: lane i of the first holds d0 + 8 (i / 4) + i % 4, of the second that + 4.
- * Each element's sums are the same whatever lane holds it: the layout is a permutation. */
-static inline int64_t dp_acc_index(int64_t d) {
-    const int64_t w = d % 8;
-    return d / 32 * 32 + (w < 4 ? 0 : 16) + (d % 32) / 8 * 4 + w % 4;
-}
-
+ * Each element's sums are the same whatever lane holds it: the layout is a permutation, undone
+ * as the row is written out. */
 /* The tile's values in key pairs, in acc's layout: vp[jp * D + d0 ..] the unpack lo then hi of
  * v_2jp's and v_2jp+1's elements d0 .. d0 + 31, jp < DT / 2 (a permutation, no rounding). For
  * many rows, which then share each load; few rows pair the values in registers instead. */
