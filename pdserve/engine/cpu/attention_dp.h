@@ -101,6 +101,7 @@ static inline __attribute__((always_inline)) void dp_scores_transposed(const int
  * d0 .. d0 + 31: lane i of the first holds d0 + 8 (i / 4) + i % 4, of the second that + 4.
  * Each element's sums are the same whatever lane holds it: the layout is a permutation, undone
  * as the row is written out. */
+
 /* The tile's values in key pairs, in acc's layout: vp[jp * D + d0 ..] the unpack lo then hi of
  * v_2jp's and v_2jp+1's elements d0 .. d0 + 31, jp < DT / 2 (a permutation, no rounding). For
  * many rows, which then share each load; few rows pair the values in registers instead. */
