@@ -151,7 +151,7 @@ static inline __attribute__((always_inline)) void dp_rows(const int NR, float *c
         if (nr[i] > 16) np = DT / 2;
     }
     /* acc += sum over key pairs of p V, pairs in order (a row's pairs past its keys have p = 0):
-     * each pair's two value rows interleaved in registers (unpack lo / hi: acc's layout) */
+     * each pair's two value rows interleaved in acc's layout, read from vp or unpacked here */
     int64_t d = 0;
     for (; d + 64 <= D; d += 64) {
         __m512 o[DP_RB][4];
