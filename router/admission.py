@@ -24,10 +24,11 @@ class QueueWatch:
     pools' queues (the prefill pool's, and Ray Serve's queue of calls to a decode replica
     that runs ``max_ongoing_requests``), the prefill, the KV hand-off and one decode step.
 
-    ``queue_s()``: the least such delay among the requests that reached decode in the
-    window, if at least two did; else how long the oldest request still waiting has waited
-    (0 when none waits: a lone late request that ends a burst does not hold the door shut).
-    Times in seconds, from ``clock``."""
+    ``queue_s()``: 0 when no admitted request is still waiting to decode (a new one joins
+    no queue: neither a lone late request that ends a burst nor a burst that has fully
+    drained holds the door shut); else the least such delay among the requests that
+    reached decode in the window, if at least two did; else how long the oldest request
+    still waiting has waited. Times in seconds, from ``clock``."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -51,9 +52,11 @@ class QueueWatch:
         now = self.clock()
         while self._firsts and self._firsts[0][0] < now - QUEUE_WINDOW_S:
             self._firsts.popleft()
+        if not self._waiting:
+            return 0.0
         if len(self._firsts) >= 2:
             return min(ttft for _, ttft in self._firsts)
-        return now - next(iter(self._waiting.values())) if self._waiting else 0.0
+        return now - next(iter(self._waiting.values()))
 
 
 class Admission:

@@ -59,8 +59,28 @@ def test_one_long_prompt_among_quick_ones_does_not_trip_it():
     assert q.queue_s() == 0.0  # alone in the window, and nothing waits: a late straggler does not shut the door
     q.started("s10")
     clock.now += 0.2
+    q.started("s11")
     q.decoding("s10")
-    assert q.queue_s() == pytest.approx(0.2)  # the least of the window
+    assert q.queue_s() == pytest.approx(0.2)  # s11 waits: the least of the window counts
+
+
+def test_a_drained_queue_opens_the_door_at_once():
+    """A burst whose every request waited 11 s, then decoded and ended within the window:
+    nothing waits now, so a new request would join no queue."""
+    clock = Clock()
+    q = QueueWatch(clock=clock)
+    for i in range(3):
+        q.started(f"r{i}")
+    clock.now += 11.0
+    for i in range(3):
+        q.decoding(f"r{i}")
+    q.started("next")
+    assert q.queue_s() == pytest.approx(11.0)  # a standing queue, and one waits in it
+    q.ended("next")
+    for i in range(3):
+        clock.now += 0.3
+        q.ended(f"r{i}")
+    assert q.queue_s() == 0.0  # the window still holds three 11 s waits, but nobody waits
 
 
 def test_with_no_first_token_in_the_window_the_oldest_wait_counts():
