@@ -27,9 +27,9 @@ at a time on this machine's cores, all in the dtype that ``model.dtype: auto`` p
    predicts each system's goodput on this workload: the continuous prediction, and the
    highest rate of the sweep's own points whose predicted attainment meets the target (the
    grid the measurement has, which the error is taken on). Disaggregated systems are
-   predicted as 1 prefill + 1 decode replica, every prompt through prefill (the tuner does
-   not model conditional disaggregation or a prefill that borrows decode's core: those
-   predictions are labelled so).
+   predicted as 1 prefill + 1 decode replica: the default with conditional disaggregation
+   (bench/sim_conditional.py), the others with every prompt through prefill (the tuner does
+   not model a prefill that borrows decode's core: those predictions are labelled so).
 6. A cross-check of the meters on disaggregated pdserve: ``vllm bench serve`` and pdserve's
    own (``bench/serve.py``) on the same closed loop (4 in flight, 24 requests of the median
    lengths); throughput and p50 TTFT / TPOT are compared (a closed loop, so Poisson noise
@@ -311,14 +311,20 @@ def predict(system: str, profiles: dict, cores: int, specs, args, ttft_slo: floa
         fits, n_p, n_d, model = tune.fit(profiles["1"]), 1, 1, "1 prefill + 1 decode replica, 1 thread each, every prompt through prefill"
     else:
         return None
+    from pdserve.config import RouterConfig
+
+    local_s = CONFIGS[system].get("router", {}).get("local_prefill_queue_s", RouterConfig().local_prefill_queue_s) if system.startswith("disaggregated") and not wait else None
+    if local_s is not None:
+        model = f"1 prefill + 1 decode replica, 1 thread each, decode prefilling a prompt that would wait over {local_s:g} s"
+
     def goodput(fits) -> tuple[float, float]:
-        g = tune.predicted_goodput(specs, n_p, n_d, *fits, ttft_slo, tpot_slo, args.attainment, yield_s=wait)
-        on_grid = max((r for r in rates if tune.predicted_attainment(specs, r, n_p, n_d, *fits, ttft_slo, tpot_slo, wait) >= args.attainment),
+        g = tune.predicted_goodput(specs, n_p, n_d, *fits, ttft_slo, tpot_slo, args.attainment, yield_s=wait, local_queue_s=local_s)
+        on_grid = max((r for r in rates if tune.predicted_attainment(specs, r, n_p, n_d, *fits, ttft_slo, tpot_slo, wait, local_s) >= args.attainment),
                       default=0.0)
         return g, on_grid
 
     g, on_grid = goodput(fits)
-    exact = system in ("colocated", "disaggregated-always")  # what the simulation models as deployed (taking turns leaves out
+    exact = system in ("colocated", "disaggregated-always", "disaggregated")  # what the simulation models as deployed (taking turns leaves out
     # prefill's wait for a running decode step and the two contending after a capped wait)
     out = {"goodput_rps": g, "on_sweep_rates_rps": on_grid, "model": model if exact else model + " (approximation: see bench/compare.py)"}
     if single:

@@ -11,6 +11,9 @@ discrete-event simulation of the workload (lengths from ``--dataset``):
 - decode: n_d servers running continuous batching; every step serves each running request
   one token and takes the profiled step time ``d + e B`` at batch size B; TPOT = the mean
   step time a request saw. KV transfer is left out (under 1% of TTFT here, bench/transfer.py).
+- with ``router.local_prefill_queue_s`` (the default mode: conditional disaggregation), a
+  prompt that would wait longer for the prefill pool is prefilled by a decode replica in
+  chunks between its steps (bench/sim_conditional.py);
 - with ``decode.yield_to_prefill_s`` (pdserve/core_share.py), a decode step due while a
   prefill runs waits for its end, at most that long, and the prefill fit is the profile on
   the threads the prefill replica borrows; the wait counts in the requests' TPOT.
@@ -215,31 +218,39 @@ def attainment(ttft, tpot, ttft_slo, tpot_slo) -> float:
 
 
 def predicted_goodput(specs, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, target, max_rate=256.0,
-                      yield_s: float = 0.0) -> float:
+                      yield_s: float = 0.0, local_queue_s: float | None = None) -> float:
     """Highest rate (req/s) with simulated attainment >= target; 0 if none. n_prefill 0:
-    colocated (``simulate_colocated``, n_decode its token budget); ``yield_s`` as ``simulate``'s."""
+    colocated (``simulate_colocated``, n_decode its token budget); ``yield_s`` as ``simulate``'s;
+    ``local_queue_s``: conditional disaggregation (``router.local_prefill_queue_s``,
+    bench/sim_conditional.py), None: every prompt through the prefill pool."""
     lo, hi = 0.0, max_rate
     for _ in range(14):
         mid = (lo + hi) / 2
-        ok = predicted_attainment(specs, mid, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, yield_s) >= target
+        ok = predicted_attainment(specs, mid, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, yield_s, local_queue_s) >= target
         lo, hi = (mid, hi) if ok else (lo, mid)
     return lo
 
 
-def predicted_attainment(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, yield_s: float = 0.0) -> float:
+def predicted_attainment(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, ttft_slo, tpot_slo, yield_s: float = 0.0,
+                         local_queue_s: float | None = None) -> float:
     """Simulated share of requests meeting both SLOs at ``rate`` (n_prefill 0: colocated, n_decode its token budget)."""
     if n_prefill == 0:
         ttft, tpot = simulate_colocated(specs, rate, prefill_fit, decode_fit, n_decode)
+    elif local_queue_s is not None:
+        from bench.sim_conditional import simulate_conditional
+
+        ttft, tpot, _ = simulate_conditional(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, local_queue_s)
     else:
         ttft, tpot = simulate(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, yield_s=yield_s)
     return attainment(ttft, tpot, ttft_slo, tpot_slo)
 
 
-def fragment(n_prefill: int, n_decode: int) -> str:
+def fragment(n_prefill: int, n_decode: int, local_queue_s: float | None = 0.05) -> str:
     def pool(name, n):
         return (f"{name}:\n  autoscaling_config:\n    min_replicas: {n}\n    max_replicas: {n}\n"
                 f"  ray_actor_options:\n    num_cpus: 1\n")
-    return "# written by pdserve tune\nmode: disaggregated\n" + pool("prefill", n_prefill) + pool("decode", n_decode)
+    router = f"router:\n  local_prefill_queue_s: {'null' if local_queue_s is None else f'{local_queue_s:g}'}\n"
+    return "# written by pdserve tune\nmode: disaggregated\n" + pool("prefill", n_prefill) + pool("decode", n_decode) + router
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -252,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ttft-slo", type=float, default=5.0)
     parser.add_argument("--tpot-slo", type=float, default=0.2)
     parser.add_argument("--attainment", type=float, default=0.9)
+    parser.add_argument("--local-prefill-queue-s", default="0.05",
+                        help="router.local_prefill_queue_s of the splits (conditional disaggregation, the default); none: every prompt through prefill")
     parser.add_argument("--num-requests", type=int, default=400, help="simulated requests per rate")
     parser.add_argument("--profile", default=None, help="reuse a profile JSON (profile.json: one thread, and colocated's) instead of profiling")
     parser.add_argument("--prompt-lengths", default="64,256,1024,2048")
@@ -274,10 +287,11 @@ def main(argv: list[str] | None = None) -> dict:
     if "prefill_s" in profiles:  # one profile (one thread): no colocated prediction
         profiles = {"1": profiles}
     prefill_fit, decode_fit = fit(profiles["1"])
+    local_s = None if args.local_prefill_queue_s.lower() in ("none", "null") else float(args.local_prefill_queue_s)
     rows = []
     for n_p in range(1, args.workers):
         n_d = args.workers - n_p
-        g = predicted_goodput(specs, n_p, n_d, prefill_fit, decode_fit, args.ttft_slo, args.tpot_slo, args.attainment)
+        g = predicted_goodput(specs, n_p, n_d, prefill_fit, decode_fit, args.ttft_slo, args.tpot_slo, args.attainment, local_queue_s=local_s)
         rows.append({"prefill": n_p, "decode": n_d, "predicted_goodput_rps": g, "per_replica_rps": g / args.workers})
     rows.sort(key=lambda r: -r["predicted_goodput_rps"])
     best = rows[0] if rows else None
@@ -293,11 +307,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['prefill']}:{r['decode']:<3} | {r['predicted_goodput_rps']:>13.3f} | {r['per_replica_rps']:>11.3f}")
     if colocated:
         print(f"{'coloc':>5} | {colocated['predicted_goodput_rps']:>13.3f} | {colocated['per_core_rps']:>11.3f}   (one replica, {args.workers} threads)")
-    result = {"dataset": args.dataset, "workers": args.workers, "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo,
+    result = {"dataset": args.dataset, "workers": args.workers, "local_prefill_queue_s": local_s, "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo,
               "attainment": args.attainment, "prefill_fit_s": prefill_fit, "decode_step_fit_s": decode_fit, "splits": rows,
               "colocated": colocated}
     if best:
-        (out / "cluster-fragment.yaml").write_text(fragment(best["prefill"], best["decode"]))
+        (out / "cluster-fragment.yaml").write_text(fragment(best["prefill"], best["decode"], local_s))
         print(f"\nrecommended: {best['prefill']} prefill : {best['decode']} decode -> {out / 'cluster-fragment.yaml'}")
     if args.check and best:
         from bench import goodput

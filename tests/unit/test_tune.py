@@ -26,12 +26,15 @@ def test_simulation_queues_when_overloaded():
 def test_chat_wants_decode_replicas_and_long_prompts_want_prefill(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(PROFILE))
-    common = ["--profile", str(path), "--workers", "4", "--num-requests", "150", "--out", str(tmp_path)]
+    # every prompt through prefill (DistServe's model): with conditional disaggregation decode
+    # replicas prefill too, and the split matters less
+    common = ["--profile", str(path), "--workers", "4", "--num-requests", "150", "--out", str(tmp_path), "--local-prefill-queue-s", "none"]
     chat = tune.main([*common, "--dataset", "chat"])
     long = tune.main([*common, "--dataset", "long", "--ttft-slo", "20"])
     best = lambda r: (r["splits"][0]["prefill"], r["splits"][0]["decode"])  # noqa: E731
     assert best(chat)[1] > best(chat)[0] and best(long)[0] > best(long)[1]
-    assert "min_replicas: 3" in (tmp_path / "cluster-fragment.yaml").read_text()  # the last run's (long: 3 prefill)
+    fragment = (tmp_path / "cluster-fragment.yaml").read_text()  # the last run's (long: 3 prefill)
+    assert "min_replicas: 3" in fragment and "local_prefill_queue_s: null" in fragment
 
 
 def test_colocated_alone_is_the_prefill_in_chunks_then_single_steps():
@@ -103,3 +106,49 @@ def test_calibration_scales_the_fits_to_the_lone_request_measured():
     ttft, tpot = tune.simulate([tune.serve.RequestSpec(256, 9)], 0.001, 1, 1, (a, b, c), (d, e))
     assert ttft == [0.5] and tpot == [0.078125]
     assert tune.calibrate(prefill, decode, 256, None, 0.0) == (prefill, decode)
+
+
+def test_conditional_disaggregation_that_never_fires_is_the_plain_simulation():
+    """With ``router.local_prefill_queue_s`` never exceeded, every prompt goes through the
+    prefill pool, and the simulation is ``simulate``'s, request for request."""
+    from bench.sim_conditional import simulate_conditional
+
+    specs = [tune.serve.RequestSpec(64 + 37 * (i % 9), 5 + i % 13) for i in range(120)]
+    fits = tune.fit(PROFILE)
+    for rate in (0.5, 3.0):
+        ttft, tpot, local = simulate_conditional(specs, rate, 1, 1, *fits, queue_s=float("inf"))
+        assert local == 0 and (ttft, tpot) == tuple(tune.simulate(specs, rate, 1, 1, *fits))
+
+
+def test_conditional_disaggregation_prefills_on_decode_while_the_pool_is_busy():
+    """A queue at the prefill pool sends prompts to decode, one at a time (max_local 1): the
+    TTFT tail shrinks against every prompt through prefill; when requests come far apart,
+    few are prefilled locally (those that Poisson arrivals put within a prefill of another)."""
+    from bench.sim_conditional import simulate_conditional
+
+    specs = [tune.serve.RequestSpec(256, 20)] * 200
+    fits = tune.fit(PROFILE)
+    _, _, calm_local = simulate_conditional(specs, 0.05, 1, 1, *fits)
+    always, _ = tune.simulate(specs, 2.0, 1, 1, *fits)
+    ttft, tpot, local = simulate_conditional(specs, 2.0, 1, 1, *fits)
+    assert calm_local < 0.05 * len(specs) < local < len(specs)
+    assert sorted(ttft)[180] < sorted(always)[180] and all(t > 0 for t in tpot)
+    always_g = tune.predicted_goodput(specs, 1, 1, *fits, ttft_slo=3.0, tpot_slo=0.3, target=0.9)
+    cond_g = tune.predicted_goodput(specs, 1, 1, *fits, ttft_slo=3.0, tpot_slo=0.3, target=0.9, local_queue_s=0.05)
+    assert cond_g > always_g
+
+
+def test_compare_predicts_the_default_mode_with_conditional_disaggregation():
+    """bench/run.sh compare's prediction for each system follows its config: the default
+    disaggregated mode with decode prefilling when the pool queues, the one that sends every
+    prompt through prefill without."""
+    import types
+
+    from bench import compare
+
+    args = types.SimpleNamespace(seed=1, input_len=256, output_len=32, range_ratio=0.5, attainment=0.9)
+    specs, profiles = compare.workload_specs(args, 150), {"1": PROFILE, "2": PROFILE}
+    default = compare.predict("disaggregated", profiles, 2, specs, args, 3.0, 0.3, [0.5, 1.0, 2.0])
+    always = compare.predict("disaggregated-always", profiles, 2, specs, args, 3.0, 0.3, [0.5, 1.0, 2.0])
+    assert "decode prefilling" in default["model"] and "every prompt through prefill" in always["model"]
+    assert default["goodput_rps"] > 0 and always["goodput_rps"] > 0 and default["goodput_rps"] != always["goodput_rps"]
