@@ -167,11 +167,10 @@ class Grammars:
 def fill_masks(matchers: list, vocab_size: int) -> torch.Tensor:
     """Each matcher's allowed next tokens: ``[len(matchers), ceil(vocab_size / 32)]`` int32,
     bit ``t % 32`` of word ``t // 32`` set where token t is allowed."""
-    import llguidance.torch
-
     masks = torch.zeros((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
-    for i, matcher in enumerate(matchers):
-        llguidance.torch.fill_next_token_bitmask(matcher, masks, i)
+    for i, matcher in enumerate(matchers):  # llguidance.torch.fill_next_token_bitmask's call, without importing that
+        row = masks[i]  # module: it applies torch.compile at import, which loads TorchDynamo (~2 s a process)
+        matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
     return masks
 
 

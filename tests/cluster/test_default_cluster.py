@@ -25,7 +25,7 @@ from test_cli import pdserve as pdserve_with_test_env
 pytestmark = pytest.mark.e2e
 
 GRPC_PORT, HTTP_PORT = 9140, 8140
-SHORT, DRAIN_S = 200, 40  # a short stream is running when the drain begins (some seconds after it starts) and finishes within it
+SHORT, DRAIN_S = 200, 20  # a short stream is running when the drain begins (some seconds after it starts) and finishes within it
 HANG_S = 120.0  # deadlines below only catch hangs
 
 
