@@ -118,12 +118,12 @@ def _load_memory(*args: str) -> dict:
 
 
 def test_a_load_peaks_within_1_3x_the_weights_it_keeps(tmp_path, real_model_dir):
-    """Counted in bytes (VmHWM's growth over the process before the load), on a 1.1B-parameter
-    random Llama written by the test (bf16 file, read as bf16) and on the bundled model
-    (float32 file, read as bf16: converted as read)."""
-    _load_memory("--write-random", str(tmp_path / "1b"), "--params", "1.1e9")
-    big = _load_memory("--model", str(tmp_path / "1b"), "--dtype", "bfloat16")
-    assert big["weights_kept_bytes"] > 2e9
+    """Counted in bytes (VmHWM's growth over the process before the load), on a 0.6B-parameter
+    random Llama written by the test (bf16 file, read as bf16: over a GB, far above the
+    process's own noise) and on the bundled model (float32 file, read as bf16: converted as read)."""
+    _load_memory("--write-random", str(tmp_path / "big"), "--params", "6e8")
+    big = _load_memory("--model", str(tmp_path / "big"), "--dtype", "bfloat16")
+    assert big["weights_kept_bytes"] > 1e9
     assert big["peak_growth_bytes"] <= 1.3 * big["weights_kept_bytes"], big
     bundled = _load_memory("--model", str(real_model_dir), "--dtype", "bfloat16")
     assert bundled["peak_growth_bytes"] <= 1.3 * bundled["weights_kept_bytes"], bundled
