@@ -40,11 +40,12 @@ class _Decode:
 
 
 def simulate_conditional(specs, rate: float, n_prefill: int, n_decode: int, prefill_fit, decode_fit, queue_s: float = 0.05,
-                         max_local: int = 1, budget: int = 512, seed: int = 0) -> tuple[list[float], list[float], int]:
+                         max_local: int = 1, budget: int = 2048, seed: int = 0) -> tuple[list[float], list[float], int]:
     """(TTFT, TPOT, local prefills) for ``specs`` (serve.RequestSpec) arriving as a Poisson
     process of ``rate`` req/s, as ``tune.simulate`` draws them (the same seed, the same
     arrivals). ``prefill_fit`` (a, b, c) and ``decode_fit`` (d, e): one replica's fits,
-    prefill's also used for a decode replica's own prompt chunks."""
+    prefill's also used for a decode replica's own prompt chunks. ``budget``: a decode
+    replica's ``max_num_batched_tokens`` (the decode pool's default, 2048)."""
     rng = random.Random(seed)
     a, b, c = prefill_fit
     d, e = decode_fit
