@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh dev
 export RAY_USAGE_STATS_ENABLED=0
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@" tests
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 "$@" tests
