@@ -26,6 +26,26 @@ import random
 EWMA_WEIGHT = 0.2  # router/placement.py
 
 
+def mixed_step(num_running: int, waiting: list[int], done: list[int], specs, budget: int, prefill_fit, decode_fit) -> tuple[list, float]:
+    """One engine step that decodes ``num_running`` requests a token each and fills the rest
+    of ``budget`` tokens with prompt chunks of ``waiting`` (indices into ``specs``, in
+    order; ``done``: their prompt tokens computed so far): (the chunks as (index, tokens),
+    its seconds: ``d + e B``, or ``a`` when nothing decodes, plus each chunk's
+    ``b n + c ((s + n)^2 - s^2)``), as engine/scheduler.py fills a step."""
+    a, b, c = prefill_fit
+    d, e = decode_fit
+    room, chunks = budget - num_running, []
+    for i in waiting:
+        if room <= 0:
+            break
+        n = min(specs[i].prompt_tokens - done[i], room)
+        chunks.append((i, n))
+        room -= n
+    cost = (d + e * num_running) if num_running else (a if chunks else 0.0)
+    cost += sum(b * n + c * ((done[i] + n) ** 2 - done[i] ** 2) for i, n in chunks)
+    return chunks, cost
+
+
 class _Decode:
     """One decode replica: its clock, decoding requests and local prompts (arrival order)."""
 
@@ -48,7 +68,6 @@ def simulate_conditional(specs, rate: float, n_prefill: int, n_decode: int, pref
     replica's ``max_num_batched_tokens`` (the decode pool's default, 2048)."""
     rng = random.Random(seed)
     a, b, c = prefill_fit
-    d, e = decode_fit
     n = len(specs)
     arrivals, t = [], 0.0
     for _ in specs:
@@ -69,15 +88,7 @@ def simulate_conditional(specs, rate: float, n_prefill: int, n_decode: int, pref
             i = r.joining.pop(0)[1]
             if left[i]:
                 r.running.append(i)
-        room, chunks = budget - len(r.running), []
-        for i in r.waiting:
-            if room <= 0:
-                break
-            k = min(specs[i].prompt_tokens - done[i], room)
-            chunks.append((i, k))
-            room -= k
-        cost = (d + e * len(r.running)) if r.running else (a if chunks else 0.0)
-        cost += sum(b * k + c * ((done[i] + k) ** 2 - done[i] ** 2) for i, k in chunks)
+        chunks, cost = mixed_step(len(r.running), r.waiting, done, specs, budget, prefill_fit, decode_fit)
         r.clock += cost
         still = []
         for i in r.running:
@@ -126,8 +137,8 @@ def simulate_conditional(specs, rate: float, n_prefill: int, n_decode: int, pref
             continue
         k = min(range(n_prefill), key=free_at.__getitem__)
         start = max(t, free_at[k])
-        service = a + b * spec.prompt_tokens + c * spec.prompt_tokens**2
         free_at[k] = start + a + b * spec.prompt_tokens + c * spec.prompt_tokens**2  # as simulate sums it
+        service = free_at[k] - start
         if queued == 0 and service > 0:  # nothing ahead: the router measures prefill's own rate
             measures.append((free_at[k], spec.prompt_tokens / service))
         remote.append((free_at[k], spec.prompt_tokens))

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from bench import serve
+from bench.sim_conditional import mixed_step, simulate_conditional
 
 
 def profile(model_name: str, dtype: str, prompt_lengths: list[int], batches: list[int], context: int, threads: int = 1) -> dict:
@@ -166,8 +167,6 @@ def simulate_colocated(specs: list[serve.RequestSpec], rate: float, prefill_fit,
     that mixes decodes and prompt chunks in each step (module docstring; ``budget``: its
     ``max_num_batched_tokens``, also the chunk size)."""
     rng = random.Random(seed)
-    a, b, c = prefill_fit
-    d, e = decode_fit
     arrivals, t = [], 0.0
     for _ in specs:
         t += rng.expovariate(rate)
@@ -184,15 +183,7 @@ def simulate_colocated(specs: list[serve.RequestSpec], rate: float, prefill_fit,
         while nxt < len(specs) and arrivals[nxt] <= clock:
             waiting.append(nxt)
             nxt += 1
-        room, chunks = budget - len(running), []
-        for i in waiting:
-            if room <= 0:
-                break
-            n = min(specs[i].prompt_tokens - done[i], room)
-            chunks.append((i, n))
-            room -= n
-        step = (d + e * len(running)) if running else (a if chunks else 0.0)
-        step += sum(b * n + c * ((done[i] + n) ** 2 - done[i] ** 2) for i, n in chunks)
+        chunks, step = mixed_step(len(running), waiting, done, specs, budget, prefill_fit, decode_fit)
         clock += step
         still = []
         for i in running:
@@ -237,8 +228,6 @@ def predicted_attainment(specs, rate, n_prefill, n_decode, prefill_fit, decode_f
     if n_prefill == 0:
         ttft, tpot = simulate_colocated(specs, rate, prefill_fit, decode_fit, n_decode)
     elif local_queue_s is not None:
-        from bench.sim_conditional import simulate_conditional
-
         ttft, tpot, _ = simulate_conditional(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, local_queue_s)
     else:
         ttft, tpot = simulate(specs, rate, n_prefill, n_decode, prefill_fit, decode_fit, yield_s=yield_s)
