@@ -163,7 +163,7 @@ def test_a_killed_rank_fails_the_step_and_the_health_check_by_name():
         assert greedy(eng, PROMPTS[:1], 2)
         eng.check_health()
         os.kill(eng.tp.ranks[0].pid, signal.SIGKILL)
-        eng.tp.ranks[0].proc.wait(10)
+        eng.tp.ranks[0].wait(10)
         with pytest.raises(RuntimeError, match="tensor parallel rank 1 .* died"):
             eng.check_health()
         seq = Sequence("after", list(PROMPTS[2]), len(PROMPTS[2]), SamplingParams(max_tokens=2))

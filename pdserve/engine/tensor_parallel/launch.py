@@ -6,7 +6,8 @@
   node, so the ranks meet over a Unix socket in the abstract namespace and share memory.
   Ray fate-shares the actors with rank 0, their owner.
 - **Child processes** otherwise (an engine outside Ray: benchmarks, tests, ``pdserve``'s
-  local tools): ``python -m pdserve.engine.tensor_parallel.rank FD RANK`` over a socket pair.
+  local tools): forked over a socket pair by the process's forkserver (forkserver.py), which
+  has imported torch and the engine once.
 
 Either way a rank is a connection (multiprocessing.connection.Connection) and a handle
 (``pid``, ``exited()``, ``wait()``, ``stop()``), and runs group.worker_main.
@@ -18,12 +19,16 @@ import hmac
 import logging
 import os
 import secrets
+import select
+import signal
 import socket
-import subprocess
 import sys
+import threading
 import time
 import uuid
 from multiprocessing.connection import Connection
+
+from pdserve.engine.tensor_parallel import forkserver
 
 log = logging.getLogger(__name__)
 
@@ -49,33 +54,62 @@ def _recv_exact(sock: socket.socket, n: int, timeout_s: float) -> bytes:
 
 
 class ChildRank:
-    """Rank ``rank`` as a child process of rank 0."""
+    """Rank ``rank`` as a child process, forked by this process's forkserver (forkserver.py),
+    which has the rank's imports done. ``exited``, ``wait`` and ``stop`` read the exit code
+    the forkserver reports on a pipe (-1 where the forkserver died before the rank)."""
 
     def __init__(self, rank: int):
         ours, theirs = socket.socketpair()
-        # a fresh interpreter (no fork of a threaded process, no re-run of __main__)
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.tensor_parallel.rank", str(theirs.fileno()), str(rank)],
-                                     pass_fds=(theirs.fileno(),))
-        theirs.close()
+        status_r, status_w = os.pipe()
+        try:
+            self.pid = forkserver.get().start(theirs.fileno(), status_w, rank)
+        except BaseException:
+            ours.close()
+            os.close(status_r)
+            raise
+        finally:
+            theirs.close()
+            os.close(status_w)
         self.conn = Connection(ours.detach())
-        self.pid = self.proc.pid
+        self._status = status_r
+        self._code: int | None = None
+        self._lock = threading.Lock()  # the watcher thread waits while check() polls
+
+    def _poll(self, timeout_s: float | None) -> int | None:
+        """The exit code, waiting up to ``timeout_s`` (None: until it ends)."""
+        if self._code is None:
+            select.select([self._status], [], [], timeout_s)  # readable once the code is written (then at end of file)
+            with self._lock:
+                if self._code is None and select.select([self._status], [], [], 0)[0]:
+                    data = os.read(self._status, forkserver.PID.size)
+                    # nothing written: the forkserver died before its child, which may run on
+                    self._code = forkserver.PID.unpack(data)[0] if len(data) == forkserver.PID.size else -1
+        return self._code
+
+    def __del__(self):
+        try:
+            os.close(self._status)
+        except (AttributeError, OSError):
+            pass
 
     def exited(self) -> str | None:
         """None while it runs, else how it ended."""
-        code = self.proc.poll()
+        code = self._poll(0)
         return None if code is None else f"died with exit code {code}"
 
-    def wait(self) -> str:
-        """Blocks until it ends; how it ended."""
-        return f"died with exit code {self.proc.wait()}"
+    def wait(self, timeout_s: float | None = None) -> str | None:
+        """Blocks until it ends (or ``timeout_s`` passes: then None); how it ended."""
+        self._poll(timeout_s)
+        return self.exited()
 
     def stop(self, timeout_s: float) -> None:
         """After "close": wait ``timeout_s``, then kill."""
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        if self._poll(timeout_s) is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._poll(5)
 
 
 class TPRankActor:

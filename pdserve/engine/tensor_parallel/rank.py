@@ -1,13 +1,11 @@
-"""A tensor-parallel rank > 0: worker_main, run by a Ray actor (launch.py TPRankActor) or as
-its own process, ``python -m pdserve.engine.tensor_parallel.rank FD RANK``, started by
-TPGroup with one end of a socket pair as FD."""
+"""A tensor-parallel rank > 0: worker_main, run by a Ray actor (launch.py TPRankActor) or in
+a child process forked by rank 0's forkserver (forkserver.py), on one end of a socket pair."""
 
 from __future__ import annotations
 
 import logging
 import os
 import pickle
-import sys
 import threading
 import time
 
@@ -71,9 +69,3 @@ def pid_alive(pid: int) -> bool:
         return True
     return True
 
-
-if __name__ == "__main__":
-    from multiprocessing.connection import Connection
-
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{sys.argv[2]} %(levelname)s %(message)s")
-    worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))
