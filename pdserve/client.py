@@ -33,7 +33,7 @@ import grpc
 
 from pdserve.rpc import generate_pb2 as pb
 from pdserve.rpc import generate_pb2_grpc as pb_grpc
-from pdserve.sampling import TokenLogprob, TopLogprob
+from pdserve.logprobs import TokenLogprob, TopLogprob
 
 DEFAULT_ENDPOINT = "127.0.0.1:9000"
 

@@ -25,6 +25,12 @@ import yaml
 from pdserve.autoscaling import PolicyConfigError, PolicySettings
 
 
+def cache_root() -> Path:
+    """Where pdserve keeps what it makes once (converted models, built kernels, `pdserve up`'s
+    state): ``$PDSERVE_CACHE``, else ``~/.cache/pdserve``."""
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_TOKENS = 32768  # a CPU pool's KV tokens where neither kv_cache_tokens nor kv_cache_bytes is set

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.config import cache_root
+
 log = logging.getLogger(__name__)
 
 BUNDLED_NAME = "smollm2"
@@ -31,10 +33,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelNotFoundError(FileNotFoundError):
     """The model spec names nothing loadable."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
 
 
 def bundled_gguf_path() -> Path:

@@ -13,11 +13,11 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from pdserve.errors import InvalidRequestError
+from pdserve.logprobs import TokenLogprob, TopLogprob
 from pdserve.structured import StructuredOutput
 
 # Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS (1e-5) does.
@@ -221,22 +221,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int, num_gene
     if params.seed is not None:
         generator = torch.Generator().manual_seed((params.seed * 1_000_003 + position) % (1 << 63))
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-class TopLogprob(NamedTuple):
-    token_id: int
-    logprob: float
-
-
-@dataclass
-class TokenLogprob:
-    """A sampled token's log-probability under the model (log_softmax of the raw logits,
-    before temperature, top-k and top-p, as vLLM reports by default) and the ``top`` most
-    likely tokens with theirs, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: list[TopLogprob] = field(default_factory=list)
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:

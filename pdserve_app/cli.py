@@ -13,8 +13,7 @@ from typing import Optional
 import typer
 
 from pdserve.client import DEFAULT_ENDPOINT, Client
-from pdserve.config import ClusterConfig
-from pdserve.model_loader import cache_root
+from pdserve.config import ClusterConfig, cache_root
 
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode LLM serving on Ray Serve.",

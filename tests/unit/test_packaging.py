@@ -52,6 +52,14 @@ def test_console_script():
         assert command in out
 
 
+def test_the_client_sdk_and_the_cli_import_without_torch():
+    """A client machine needs no torch: ``pdserve.client`` and the CLI (``pdserve generate``,
+    ``down``) import none; the commands that load a model import it when they run."""
+    code = "import sys, pdserve.client, pdserve_app.cli; print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"
+
+
 def test_bench_is_not_in_the_wheel_and_the_cli_runs_it_from_the_checkout(tmp_path):
     import tomllib
 
