@@ -12,7 +12,8 @@ it was asked for (sent with the request).
 
     rank 0 (Forkserver.start)                      forkserver (serve)
     send (rank, rank 0's pid, env, cwd)  ───────►  fork: the child runs worker_main
-         + [its socket's fd, a status pipe]        ... reaps it (SIGCHLD): its exit code
+         + fds [its socket, a status pipe,         ... reaps it (SIGCHLD): its exit code
+                stdout, stderr]
     recv the child's pid                 ◄───────      written to the status pipe, closed
 
 The control socket is SOCK_SEQPACKET (one request a message). The forkserver ends when rank
