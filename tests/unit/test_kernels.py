@@ -64,8 +64,8 @@ def test_every_thread_count_gives_the_same_bits(dtype):
     row ops and attention (split by query blocks) on 1-4 threads, threads taking chunks in
     whatever order they come: each output is computed by one thread in one fixed order, so
     the bits never change. Shapes with few panels (576 outputs: 9) and many rows take the
-    row split; 1 and 5 rows do not. On AMX, 300 and 601 rows split into small row chunks (the
-    weight fits a core's L2) and 1,100 rows into whole ones."""
+    row split; 1 and 5 rows do not. On AMX, 300 and 601 rows split the panels (fewer than two
+    row chunks a thread) and 1,100 rows split into row chunks on 2 threads."""
     require_kernels(*ops.KERNELS)
     g = torch.Generator().manual_seed(3)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
@@ -94,3 +94,26 @@ def test_every_thread_count_gives_the_same_bits(dtype):
         for threads in (2, 3, 4):
             for name, a, c in zip(("linear + norm", "residual", "rope", "attention", "silu_mul"), one, run(threads)):
                 assert torch.equal(_bits(a), _bits(c)), f"{name}, {rows} rows, {threads} threads"
+
+
+def test_the_gate_up_projection_with_silu_gives_the_bits_of_its_two_kernels():
+    """linear.c's linear_silu_bf16 (AMX: the gate and up panels summed together, silu(gate) *
+    up applied as they are stored) against the gate-up linear then silu_mul: the same bits, for
+    1 to 1,100 rows (one block, partial blocks, a panel split and a row split), 1-3 threads,
+    with and without a bias."""
+    require_kernels("linear", "pointwise")
+    if ops.isa(torch.bfloat16) != "amx_bf16":
+        pytest.skip("the fused gate-up projection runs on AMX tiles only; elsewhere the decoder calls the two kernels")
+    g = torch.Generator().manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    K, I = 200, 96
+    w, b = rnd(2 * I, K), rnd(2 * I)
+    packed = ops.pack(w)
+    for rows in (1, 17, 33, 300, 1100):
+        x = rnd(rows, K) * 3
+        for bias in (None, b):
+            ref = ops.silu_mul(ops.linear(x, packed, 2 * I, bias, 1), 1)
+            for threads in (1, 2, 3):
+                got = ops.linear_silu(x, packed, I, bias, threads)
+                assert torch.equal(_bits(got), _bits(ref)), f"{rows} rows, {threads} threads, bias {bias is not None}"
+    assert ops.linear_silu(rnd(4, K), ops.pack(rnd(2 * 40, K)), 40) is None  # I % 32 != 0: declined, nothing written

@@ -45,6 +45,7 @@ _SIGNATURES = {  # name -> {function: (restype, argtypes)}
     "linear": {
         "linear_f32": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64]),
         "linear_bf16": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64]),
+        "linear_silu_bf16": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64]),
         "linear_pack_f32": (None, [_ptr, _i64, _i64, _i64, _ptr]),
         "linear_pack_bf16": (None, [_ptr, _i64, _i64, _i64, _ptr]),
         "linear_packed_numel": (_i64, [_i64, _i64, ctypes.c_int]),

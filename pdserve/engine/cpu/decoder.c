@@ -10,7 +10,8 @@
  *   rope_(q and k heads of qkv)           in place
  *   o = attention(q, k, v)                stores k, v in slots first; [N, heads D]
  *   x, res = add_rmsnorm(o Wo^T, res)
- *   h = silu_mul(x Wgu^T) Wdown^T         gate-up [N, 2I], then [N, I], then [N, H]
+ *   h = silu_mul(x Wgu^T) Wdown^T         gate-up [N, 2I], then [N, I], then [N, H]; where
+ *                                         linear_silu takes it (AMX), [N, I] in one pass
  * Under tensor parallelism (a rank's share of heads and of I) o Wo^T and the down projection
  * are partial sums, added over the ranks by `allreduce` before they are used.
  */
@@ -21,6 +22,7 @@ typedef void (*linear_fn)(const void *, int64_t, int64_t, int64_t, const void *,
 typedef void (*norm_fn)(const void *, int64_t, void *, int64_t, int, const void *, void *, int64_t, int64_t, int64_t, float, int, int64_t);
 typedef void (*rope_fn)(void *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *, const float *, int, int64_t);
 typedef void (*silu_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int, int64_t);
+typedef int (*linear_silu_fn)(const void *, int64_t, int64_t, int64_t, const void *, int64_t, const void *, void *, int64_t, int64_t);
 typedef int (*allreduce_fn)(void *, void *, int64_t);
 typedef int (*attn_fn)(const void *, int64_t, int64_t, int64_t, int64_t, int64_t, void *, void *, int64_t, const void *, const void *,
                        int64_t, const int64_t *, const int32_t *, int64_t, const int32_t *, const int64_t *, int64_t, float, void *, int,
@@ -41,6 +43,7 @@ typedef struct {
     attn_fn attention;
     allreduce_fn allreduce; /* tensor parallel: the sum over ranks of a row-parallel layer's output, in place; NULL alone */
     void *allreduce_ctx;
+    linear_silu_fn linear_silu; /* the gate-up projection and silu_mul in one pass (linear.c's linear_silu_bf16), or NULL */
 } decoder_model;
 
 /* h: [N, H] the embeddings in, the last layer's output out; res: [N, H] the residual out.
@@ -68,8 +71,10 @@ int decoder_layers(const decoder_model *m, void *h, void *res, int64_t N, const 
         m->linear(o, N, O, O, w[2], H, w[3], t, H, m->nthreads);
         if (m->allreduce && m->allreduce(m->allreduce_ctx, t, N * H)) rc = -3;
         m->add_rmsnorm(t, H, res, H, 1, w[9], x, H, N, H, m->eps, (int)m->bf, m->nthreads);
-        m->linear(x, N, H, H, w[4], 2 * I, w[5], gu, 2 * I, m->nthreads);
-        m->silu_mul(gu, 2 * I, act, I, N, I, (int)m->bf, m->nthreads);
+        if (!m->linear_silu || m->linear_silu(x, N, H, H, w[4], I, w[5], act, I, m->nthreads) != 0) {
+            m->linear(x, N, H, H, w[4], 2 * I, w[5], gu, 2 * I, m->nthreads);
+            m->silu_mul(gu, 2 * I, act, I, N, I, (int)m->bf, m->nthreads);
+        }
         m->linear(act, N, I, I, w[6], H, w[7], h, H, m->nthreads);
         if (rc == 0 && m->allreduce && m->allreduce(m->allreduce_ctx, h, N * H)) rc = -3;
     }

@@ -305,6 +305,23 @@ void linear_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uin
     split_units(range_bf16, &a, nthreads);
 }
 
+/* A SwiGLU MLP's gate-up projection and activation in one pass where AMX is on: x: [M, K]
+ * bf16 (row stride ldx); wp: packed [2I, K] (gate rows, then up rows); bias: [2I] or NULL;
+ * act: [M, I] (row stride ldact) = silu(gate) * up, the same bits as linear_bf16 into
+ * [M, 2I] then pointwise.c's silu_mul (linear_amx.h). Returns 0, or -1 where it does not
+ * apply (no AMX, or I % 32 != 0): then nothing is written. */
+int linear_silu_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t I, const uint16_t *bias,
+                     uint16_t *act, int64_t ldact, int64_t nthreads) {
+#ifdef PDSERVE_LINEAR_AMX_H
+    if (amx_on && I % NQ == 0) {
+        amx_linear_silu(x, M, K, ldx, wp, I, bias, act, ldact, nthreads);
+        return 0;
+    }
+#endif
+    (void)x, (void)M, (void)K, (void)ldx, (void)wp, (void)I, (void)bias, (void)act, (void)ldact, (void)nthreads;
+    return -1;
+}
+
 /* The path the kernels take for a dtype (bf != 0: bf16): "amx_bf16" for bf16 where AMX is
  * on (linear_amx.h, attention_amx.h), else the vector ISA (simd_isa). */
 const char *linear_isa(int bf) { return bf && amx_on ? "amx_bf16" : simd_isa(); }

@@ -8,7 +8,14 @@
  * of w (amx.h), so a row's bits do not depend on the batch, the block or the thread split:
  * the same invariance as the vector kernels, with another (fixed) order. The zero padding
  * adds exact zeros. A block is 32 rows x 32 columns (four C tiles, two A and two B tiles per
- * k step); see amx_range for the order of blocks.
+ * k step); see amx_tile for the order of blocks.
+ *
+ * amx_linear_silu is the gate-up projection of a SwiGLU MLP with the activation applied as it
+ * stores: panel q of the gate (columns 32q ..) and panel q + I / 32 of the up projection
+ * (columns I + 32q ..) are summed for the same rows, each rounded to bf16 as amx_linear
+ * stores it, and silu(gate) * up (simd.h's vsilu_mul, as pointwise.c's silu_mul) is what is
+ * written. The same bits as amx_linear then silu_mul, without the [M, 2I] intermediate
+ * written and read back.
  */
 #ifndef PDSERVE_LINEAR_AMX_H
 #define PDSERVE_LINEAR_AMX_H
@@ -111,11 +118,12 @@ typedef struct {
     const uint16_t *x, *w, *bias;
     uint16_t *y;
     int64_t M, K, N, ldx, ldy;
-    int64_t mc; /* rows per chunk */
+    int64_t mc;     /* rows per chunk */
+    int64_t silu;   /* 0, or I: y = silu(gate) * up, [M, I], from panels q and q + I / NQ (amx_linear_silu) */
+    int64_t panels; /* the units of the column split: panels, or gate-up panel pairs */
 } amx_args;
 
-#define MC_MAX 256 /* rows per chunk at most: the chunk's float32 C blocks (32 KB) sit on the stack */
-#define AMX_ROW_SPLIT_WEIGHT_BYTES (2048 * 1024) /* a weight each thread re-reads per row chunk from its L2 (2 MB a core where AMX is) */
+#define MC_MAX 256 /* rows per chunk at most: the chunk's float32 C blocks (32 KB, twice with silu) sit on the stack */
 #define KC 8       /* k steps per pass over a chunk's row blocks: the panel's 16 KB of B stay in L1 */
 
 /* Rows per chunk for K: the chunk's activations stay in L2 (<= 1 MB) across the panels. */
@@ -124,38 +132,64 @@ static inline int64_t amx_chunk_rows(int64_t K) {
     return MC < MB ? MB : MC > MC_MAX ? MC_MAX : MC;
 }
 
-/* Rows [m_begin, m_end) against panels [q_begin, q_end). Rows go in chunks (amx_chunk_rows);
- * per panel, the chunk's row blocks take KC k steps at a time, so each B tile pair is read
- * from L1 by every block instead of from L2 (1.1-1.2x over one block's whole K at a time on
- * the bundled model's shapes at 256 rows, within run-to-run noise at 2,048 rows; a Sapphire
- * Rapids core, 2026-12-02). */
+/* Rows [mc, mce) of one chunk against panel wq, into c ([rows][32] float32): the chunk's row
+ * blocks take KC k steps at a time, so each B tile pair is read from L1 by every block instead
+ * of from L2 (1.1-1.2x over one block's whole K at a time on the bundled model's shapes at
+ * 256 rows, within run-to-run noise at 2,048 rows; a Sapphire Rapids core, 2026-12-02).
+ * `next` (the panel after this one, or NULL) is asked into L2, a share per block call: a
+ * prefill's weights come from DRAM once per forward, and the qkv and o projections of the
+ * bundled model at 256 rows took 0.89-0.93x the time with it (one thread, 30 layers' weights
+ * in turn; the larger two within noise; Xeon, 2026-12-07). *config: the rows the tiles are
+ * configured for. */
+static inline void amx_panel(const amx_args *a, int64_t mc, int64_t mce, const uint16_t *wq, float *c, const char *next, int *config) {
+    const int64_t KB = (a->K + KT - 1) / KT, kc = mce - mc > MB ? KC : KB; /* one block: no B to share, K in one pass */
+    const int64_t calls = (KB + kc - 1) / kc * ((mce - mc + MB - 1) / MB), lines = KB * 2 * 1024 / 64;
+    int64_t line = 0;
+    for (int64_t k0 = 0; k0 < KB; k0 += kc)
+        for (int64_t m = mc; m < mce; m += MB) {
+            int rows = mce - m < MB ? (int)(mce - m) : MB;
+            if (rows != *config) {
+                amx_configure_block(rows);
+                *config = rows;
+            }
+            for (int64_t e = next ? (line + lines / calls + 1 < lines ? line + lines / calls + 1 : lines) : 0; line < e; line++)
+                _mm_prefetch(next + 64 * line, _MM_HINT_T1);
+            amx_block(a->x + m * a->ldx, a->ldx, a->K, wq, rows, c + (m - mc) * NQ, k0, KB < k0 + kc ? KB : k0 + kc);
+        }
+}
+
+/* y[r, 32q .. 32q + 32) for r < rows = silu(bf16(cg + bias_g)) * bf16(cu + bias_u), in bf16:
+ * amx_store's rounding of each, then simd.h's vsilu_mul (rounded as it is stored). */
+static inline void amx_store_silu(const float *cg, const float *cu, int rows, const uint16_t *bg, const uint16_t *bu, uint16_t *y, int64_t ldy) {
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++) {
+            __m512 g = _mm512_loadu_ps(cg + r * NQ + 16 * h), u = _mm512_loadu_ps(cu + r * NQ + 16 * h);
+            if (bg) g = _mm512_add_ps(g, vload_bf16(bg + 16 * h)), u = _mm512_add_ps(u, vload_bf16(bu + 16 * h));
+            vstore_bf16(y + r * ldy + 16 * h, vsilu_mul(vround_bf16(g), vround_bf16(u), 1));
+        }
+}
+
+/* Rows [m_begin, m_end) against panels (or gate-up panel pairs) [q_begin, q_end). Rows go in
+ * chunks (amx_chunk_rows); per panel, amx_panel. */
 static void amx_tile(const amx_args *a, int64_t m_begin, int64_t m_end, int64_t q_begin, int64_t q_end) {
-    int64_t KB = (a->K + KT - 1) / KT, MC = a->mc;
+    const int64_t KB = (a->K + KT - 1) / KT, MC = a->mc, P = KB * 2 * 512, QI = a->silu / NQ; /* P: a panel's elements */
     float c[MC_MAX * NQ] __attribute__((aligned(64)));
+    float cu[MC_MAX * NQ] __attribute__((aligned(64))); /* the up panel's, with silu */
     int config = -1; /* rows of the loaded config: 32 (full) or the tail's */
     for (int64_t mc = m_begin; mc < m_end; mc += MC) {
         int64_t mce = m_end < mc + MC ? m_end : mc + MC;
-        int64_t kc = mce - mc > MB ? KC : KB; /* one block: no B to share, K in one pass */
-        const int64_t calls = (KB + kc - 1) / kc * ((mce - mc + MB - 1) / MB), lines = KB * 2 * 1024 / 64;
         for (int64_t q = q_begin; q < q_end; q++) {
-            const uint16_t *wq = a->w + q * KB * 2 * 512;
-            /* the next panel (the next chunk's first, after the last) asked into L2, a share per
-             * block call: a prefill's weights come from DRAM once per forward, and the qkv and o
-             * projections of the bundled model at 256 rows took 0.89-0.93x the time with it (one
-             * thread, 30 layers' weights in turn; the larger two within noise; Xeon, 2026-12-07) */
-            const char *next = (const char *)(q + 1 < q_end ? wq + KB * 2 * 512 : mce < m_end ? a->w + q_begin * KB * 2 * 512 : 0);
-            int64_t line = 0;
-            for (int64_t k0 = 0; k0 < KB; k0 += kc)
-                for (int64_t m = mc; m < mce; m += MB) {
-                    int rows = mce - m < MB ? (int)(mce - m) : MB;
-                    if (rows != config) {
-                        amx_configure_block(rows);
-                        config = rows;
-                    }
-                    for (int64_t e = next ? (line + lines / calls + 1 < lines ? line + lines / calls + 1 : lines) : 0; line < e; line++)
-                        _mm_prefetch(next + 64 * line, _MM_HINT_T1);
-                    amx_block(a->x + m * a->ldx, a->ldx, a->K, wq, rows, c + (m - mc) * NQ, k0, KB < k0 + kc ? KB : k0 + kc);
-                }
+            /* the next panel (the next chunk's first, after the last) */
+            const char *next = (const char *)(q + 1 < q_end ? a->w + (q + 1) * P : mce < m_end ? a->w + q_begin * P : 0);
+            if (a->silu) {
+                amx_panel(a, mc, mce, a->w + q * P, c, (const char *)(a->w + (q + QI) * P), &config);
+                amx_panel(a, mc, mce, a->w + (q + QI) * P, cu, next, &config);
+                for (int64_t m = mc; m < mce; m += MB)
+                    amx_store_silu(c + (m - mc) * NQ, cu + (m - mc) * NQ, mce - m < MB ? (int)(mce - m) : MB, a->bias ? a->bias + q * NQ : 0,
+                                   a->bias ? a->bias + a->silu + q * NQ : 0, a->y + m * a->ldy + q * NQ, a->ldy);
+                continue;
+            }
+            amx_panel(a, mc, mce, a->w + q * P, c, next, &config);
             int64_t ncols = a->N - q * NQ < NQ ? a->N - q * NQ : NQ;
             for (int64_t m = mc; m < mce; m += MB)
                 amx_store(c + (m - mc) * NQ, mce - m < MB ? (int)(mce - m) : MB, a->bias ? a->bias + q * NQ : 0,
@@ -177,32 +211,44 @@ static void amx_range(const void *args, int64_t q_begin, int64_t q_end) {
 static void amx_row_range(const void *args, int64_t c_begin, int64_t c_end) {
     const amx_args *a = (const amx_args *)args;
     int64_t end = c_end * a->mc < a->M ? c_end * a->mc : a->M;
-    amx_tile(a, c_begin * a->mc, end, 0, (a->N + NQ - 1) / NQ);
+    amx_tile(a, c_begin * a->mc, end, 0, a->panels);
+}
+
+/* Splits a's rows among nthreads where there are two or more chunks (amx_chunk_rows) per
+ * thread: each thread keeps its chunk's activations in its own L2, as one thread does, and
+ * reads the weight once per chunk. Else it splits the panels: each thread reads its share of
+ * the weight once per chunk, where a row split would have each read all of it (the weight
+ * comes from DRAM once per forward in a prefill, and with a few hundred rows that read is what
+ * a row split would double). A row's bits are the same either way (amx.h). Two threads on a
+ * Sapphire Rapids VM, bf16: 2,048 rows of the bundled model's o and down projections 1.8-1.9x
+ * one thread, against 1.2-1.3x with the panel split (best of 80 calls, 2026-12-06); a
+ * 256-token prefill of the bundled model's 30 layers 0.95x the time of the row split in 64-row
+ * chunks (2026-12-07). */
+static void amx_split(amx_args *a, int64_t nthreads) {
+    if (a->M * a->N * a->K < (1 << 18)) nthreads = 1;
+    if (nthreads > 1 && (a->M + a->mc - 1) / a->mc >= 2 * nthreads) {
+        parallel_ranges(amx_row_range, a, (a->M + a->mc - 1) / a->mc, 1, nthreads);
+        return;
+    }
+    parallel_ranges(amx_range, a, a->panels, 1, nthreads);
 }
 
 /* x: [M, K] bf16 (row stride ldx); wp: amx_pack'd [N, K]; bias [N] or NULL; y: [M, N]
- * (row stride ldy). nthreads > 1 split the rows, in chunks of at most amx_chunk_rows, two or
- * more per thread, where there are that many whole chunks or the weight fits a core's L2
- * (each thread then reads it from its own L2 once per chunk); else the panels. A panel split
- * of many rows streams all of x once per panel range. A row's bits are the same either way
- * (amx.h). Two threads on a Sapphire Rapids VM, bf16, best of 80 calls (2026-12-06): 2,048
- * rows of the bundled model's o and down projections 1.8-1.9x one thread, against 1.2-1.3x
- * with the panel split. */
+ * (row stride ldy). nthreads split the rows or the panels (amx_split). */
 static void amx_linear(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N, const uint16_t *bias,
                        uint16_t *y, int64_t ldy, int64_t nthreads) {
-    int64_t MC = amx_chunk_rows(K);
-    amx_args a = {x, wp, bias, y, M, K, N, ldx, ldy, MC};
-    if (M * N * K < (1 << 18)) nthreads = 1;
-    if (nthreads > 1 && M >= 2 * nthreads * MB) {
-        int64_t small = (M + 2 * nthreads - 1) / (2 * nthreads);
-        small = (small + MB - 1) / MB * MB;
-        if ((M + MC - 1) / MC >= 2 * nthreads || N * K * 2 <= AMX_ROW_SPLIT_WEIGHT_BYTES) {
-            a.mc = (M + MC - 1) / MC >= 2 * nthreads ? MC : small;
-            parallel_ranges(amx_row_range, &a, (M + a.mc - 1) / a.mc, 1, nthreads);
-            return;
-        }
-    }
-    parallel_ranges(amx_range, &a, (N + NQ - 1) / NQ, 1, nthreads);
+    amx_args a = {x, wp, bias, y, M, K, N, ldx, ldy, amx_chunk_rows(K), 0, (N + NQ - 1) / NQ};
+    amx_split(&a, nthreads);
+}
+
+/* The gate-up projection with SwiGLU's activation (see the top): x: [M, K] bf16 (row stride
+ * ldx); wp: amx_pack'd [2I, K], gate rows then up rows; bias [2I] or NULL; act: [M, I] (row
+ * stride ldact) = silu(x Wg^T + bg) * (x Wu^T + bu). I % 32 == 0 (each panel all gate or all
+ * up). */
+static void amx_linear_silu(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t I, const uint16_t *bias,
+                            uint16_t *act, int64_t ldact, int64_t nthreads) {
+    amx_args a = {x, wp, bias, act, M, K, 2 * I, ldx, ldact, amx_chunk_rows(K), I, I / NQ};
+    amx_split(&a, nthreads);
 }
 
 /* The most TDPBF16PS work one thread can issue: iters x 24 tile products (16 x 16 x 32, 16,384

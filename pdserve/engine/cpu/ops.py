@@ -73,6 +73,25 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return out
 
 
+def linear_silu(x: torch.Tensor, packed: torch.Tensor, intermediate: int, bias: torch.Tensor | None = None,
+                num_threads: int = 1) -> torch.Tensor | None:
+    """A SwiGLU MLP's gate-up projection with its activation applied as it stores: x: [M, K]
+    bf16 (rows may be strided, elements contiguous); packed: ``pack(weight)`` of the [2I, K]
+    gate-up weight (gate rows, then up rows); bias: [2I] or None. Returns silu(gate) * up:
+    [M, I], the same bits as ``silu_mul(linear(x, packed, 2I, bias))`` (linear.c's
+    ``linear_silu_bf16``); None where the kernel does not take it (not bf16 on AMX tiles, or I
+    not a multiple of 32)."""
+    if x.dtype != torch.bfloat16:
+        return None
+    M, K = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((M, intermediate), dtype=x.dtype)
+    rc = _lib("linear").linear_silu_bf16(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), intermediate,
+                                         bias.data_ptr() if bias is not None else None, out.data_ptr(), intermediate, num_threads)
+    return out if rc == 0 else None
+
+
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, add: bool, weight: torch.Tensor, eps: float, num_threads: int = 1) -> torch.Tensor:
     """x, residual: [M, H] (residual contiguous, updated in place: residual + x, or x when
     ``add`` is False); weight: [H]. Returns RMSNorm(residual) * weight: [M, H]. Rows split
@@ -202,13 +221,15 @@ class _DecoderModel(ctypes.Structure):
                                               "block_size", "bf", "nthreads")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("weights", ctypes.POINTER(ctypes.c_void_p)),
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)] + [
-        (n, ctypes.c_void_p) for n in ("linear", "add_rmsnorm", "rope", "silu_mul", "attention", "allreduce", "allreduce_ctx")]
+        (n, ctypes.c_void_p) for n in ("linear", "add_rmsnorm", "rope", "silu_mul", "attention", "allreduce", "allreduce_ctx", "linear_silu")]
 
 
 class Decoder:
     """A model's decoder layers as one C call per step (decoder.c): the same kernels in the
     same order as calling ``linear``, ``add_rmsnorm``, ``rope_``, ``paged_attention`` and
-    ``silu_mul`` layer by layer, so the same bits, without the Python between them.
+    ``silu_mul`` layer by layer, so the same bits, without the Python between them (on AMX
+    the gate-up projection applies ``silu_mul`` as it stores: linear.c's ``linear_silu_bf16``,
+    the same bits again).
 
     layers: per layer a dict of the tensors decoder.c's ``weights`` lists (``w_qkv``,
     ``b_qkv``, ``w_o``, ``b_o``, ``w_gu``, ``b_gu``, ``w_down``, ``b_down``: packed weights
@@ -231,7 +252,9 @@ class Decoder:
             len(layers), hidden, heads, kv_heads, head_dim, intermediate, layers[0]["k"].stride(0), block_size, _bf(layers[0]["norm_in"]),
             num_threads, eps, scale, ctypes.cast(self._weights, ctypes.POINTER(ctypes.c_void_p)), cos.data_ptr(), sin.data_ptr(),
             fn("linear", ("qlinear_" if quantized else "linear_") + ("bf16" if dtype == torch.bfloat16 else "f32")), fn("pointwise", "add_rmsnorm"),
-            fn("pointwise", "rope_inplace"), fn("pointwise", "silu_mul"), fn("attention", "paged_attention"), *(allreduce or (None, None)))
+            fn("pointwise", "rope_inplace"), fn("pointwise", "silu_mul"), fn("attention", "paged_attention"), *(allreduce or (None, None)),
+            # the gate-up projection with silu_mul applied as it stores (AMX; it declines where it does not apply)
+            None if quantized or dtype != torch.bfloat16 else fn("linear", "linear_silu_bf16"))
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, token_seq: torch.Tensor,
                  block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

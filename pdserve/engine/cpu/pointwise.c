@@ -131,17 +131,9 @@ void rope_inplace(void *x, int64_t T, int64_t heads, int64_t D, int64_t ldt, int
     parallel_ranges(rope_rows, &a, T, ROWS_PER_THREAD, nthreads);
 }
 
-/* VL outputs: silu(g) * u with silu(g) = g / (1 + exp(-g)) (simd.h's vexp); bf16 rounds
- * silu(g) then the product, as HF. */
-static inline vf silu_mul_v(vf g, vf u, int bf) {
-    vf act = vdiv(g, vadd(vset1(1.0f), vexp(vmul(g, vset1(-1.0f)))));
-    if (bf) act = vround_bf16(act);
-    return vmul(act, u);
-}
-
-/* out[m, i] = silu(gu[m, i]) * gu[m, I + i]: gate and up side by side (the fused gate-up
- * linear's output). A row's tail short of VL goes through a zero-padded vector, so every
- * element takes the same operations. gu: [M, 2I] row stride ldg; out: [M, I] row stride ldo.
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i] (simd.h's vsilu_mul): gate and up side by side
+ * (the fused gate-up linear's output). A row's tail short of VL goes through a zero-padded
+ * vector, so every element takes the same operations. gu: [M, 2I] row stride ldg; out: [M, I] row stride ldo.
  * Rows are split among nthreads. */
 typedef struct {
     const void *gu;
@@ -160,11 +152,11 @@ static void silu_mul_rows(const void *args, int64_t begin, int64_t end) {
         const char *g = (const char *)gu + m * ldg * es;
         char *o = (char *)out + m * ldo * es;
         int64_t i = 0;
-        for (; i + VL <= I; i += VL) stv(o, i, silu_mul_v(ldv(g, i, bf), ldv(g, I + i, bf), bf), bf);
+        for (; i + VL <= I; i += VL) stv(o, i, vsilu_mul(ldv(g, i, bf), ldv(g, I + i, bf), bf), bf);
         if (i < I) {
             float a[VL] = {0}, b[VL] = {0}, r[VL];
             for (int64_t j = 0; j < I - i; j++) a[j] = ld(g, i + j, bf), b[j] = ld(g, I + i + j, bf);
-            vstore(r, silu_mul_v(vload(a), vload(b), bf));
+            vstore(r, vsilu_mul(vload(a), vload(b), bf));
             for (int64_t j = 0; j < I - i; j++) st(o, i + j, r[j], bf);
         }
     }

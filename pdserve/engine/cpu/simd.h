@@ -170,6 +170,16 @@ static inline vf vround_bf16(vf a) { return bf16_to_f32(bf16_round(a)); }
 static inline void vstore_bf16(uint16_t *p, vf a) { *p = bf16_round(a); }
 #endif
 
+/* VL outputs of SwiGLU's product: silu(g) * u with silu(g) = g / (1 + exp(-g)) (vexp); bf16
+ * rounds silu(g), then the product as it is stored, as HF does. One definition for
+ * pointwise.c's silu_mul and the AMX gate-up projection that applies it as it stores
+ * (linear_amx.h), so both give the same bits. */
+static inline vf vsilu_mul(vf g, vf u, int bf) {
+    vf act = vdiv(g, vadd(vset1(1.0f), vexp(vmul(g, vset1(-1.0f)))));
+    if (bf) act = vround_bf16(act);
+    return vmul(act, u);
+}
+
 /* A float row of either dtype: bf != 0 means uint16_t bf16 elements. */
 static inline float ld(const void *p, int64_t i, int bf) {
     return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
