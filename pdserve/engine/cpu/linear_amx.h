@@ -62,13 +62,21 @@ static inline void amx_store(const float *c, int rows, const uint16_t *bias, uin
         }
 }
 
+/* Lines of the next panel that amx_block asks into L2 as it goes: `per` a k step, from `line`
+ * up to `lines`. */
+typedef struct {
+    const char *next;
+    int64_t line, lines, per;
+} amx_prefetch;
+
 /* One block of rows <= 32 (tiles configured for them) against panel wq, k steps [kb0, kb1):
  * C starts at zero (kb0 == 0) or from the float32 block c, and is stored back to c. x rows of
  * stride ldx elements. The last k step, when K is short of a multiple of 32, reads a
  * zero-padded copy of its columns. Staging C in memory between calls is exact (float32 both
- * ways), so a row's sum runs over kb = 0, 1, ... in order whatever the chunking. */
+ * ways), so a row's sum runs over kb = 0, 1, ... in order whatever the chunking. pf: the
+ * next panel's lines to ask for, pf->per of them before each k step. */
 static inline void amx_block(const uint16_t *x, int64_t ldx, int64_t K, const uint16_t *wq, int rows, float *c, int64_t kb0,
-                             int64_t kb1) {
+                             int64_t kb1, amx_prefetch *pf) {
     int64_t KB = K / KT, tail = K - KB * KT;
     uint16_t pad[MB * KT] __attribute__((aligned(64)));
     if (kb0 == 0) {
@@ -95,6 +103,8 @@ static inline void amx_block(const uint16_t *x, int64_t ldx, int64_t K, const ui
             xa = pad;
             lda = KT;
         }
+        for (int64_t e = pf->line + pf->per < pf->lines ? pf->line + pf->per : pf->lines; pf->line < e; pf->line++)
+            _mm_prefetch(pf->next + 64 * pf->line, _MM_HINT_T1);
         amx_load(4, xa, lda * 2);
         amx_load(6, b, 64);
         amx_load(7, b + 512, 64);
@@ -136,15 +146,18 @@ static inline int64_t amx_chunk_rows(int64_t K) {
  * blocks take KC k steps at a time, so each B tile pair is read from L1 by every block instead
  * of from L2 (1.1-1.2x over one block's whole K at a time on the bundled model's shapes at
  * 256 rows, within run-to-run noise at 2,048 rows; a Sapphire Rapids core, 2026-12-02).
- * `next` (the panel after this one, or NULL) is asked into L2, a share per block call: a
- * prefill's weights come from DRAM once per forward, and the qkv and o projections of the
- * bundled model at 256 rows took 0.89-0.93x the time with it (one thread, 30 layers' weights
- * in turn; the larger two within noise; Xeon, 2026-12-07). *config: the rows the tiles are
- * configured for. */
+ * `next` (the panel after this one, or NULL) is asked into L2, a few lines every k step, so
+ * that its read from DRAM runs under this panel's tile products: a step's weights come from
+ * DRAM once per forward. The qkv and o projections of the bundled model at 256 rows took
+ * 0.89-0.93x the time with it (one thread, 30 layers' weights in turn; the larger two within
+ * noise; Xeon, 2026-12-07); spread over the k steps rather than asked at each block's start,
+ * the 30 layers' projections at 32 rows took 17.8 ms against 20.8 (11.9 GB/s of weights
+ * against 10.2; 1 row: 15.4 against 16.2 ms; Xeon, 2026-12-07). *config: the rows the tiles
+ * are configured for. */
 static inline void amx_panel(const amx_args *a, int64_t mc, int64_t mce, const uint16_t *wq, float *c, const char *next, int *config) {
     const int64_t KB = (a->K + KT - 1) / KT, kc = mce - mc > MB ? KC : KB; /* one block: no B to share, K in one pass */
-    const int64_t calls = (KB + kc - 1) / kc * ((mce - mc + MB - 1) / MB), lines = KB * 2 * 1024 / 64;
-    int64_t line = 0;
+    const int64_t steps = KB * ((mce - mc + MB - 1) / MB), lines = KB * 2 * 1024 / 64; /* k steps of all the blocks */
+    amx_prefetch pf = {next, 0, next ? lines : 0, lines / steps + 1};
     for (int64_t k0 = 0; k0 < KB; k0 += kc)
         for (int64_t m = mc; m < mce; m += MB) {
             int rows = mce - m < MB ? (int)(mce - m) : MB;
@@ -152,9 +165,7 @@ static inline void amx_panel(const amx_args *a, int64_t mc, int64_t mce, const u
                 amx_configure_block(rows);
                 *config = rows;
             }
-            for (int64_t e = next ? (line + lines / calls + 1 < lines ? line + lines / calls + 1 : lines) : 0; line < e; line++)
-                _mm_prefetch(next + 64 * line, _MM_HINT_T1);
-            amx_block(a->x + m * a->ldx, a->ldx, a->K, wq, rows, c + (m - mc) * NQ, k0, KB < k0 + kc ? KB : k0 + kc);
+            amx_block(a->x + m * a->ldx, a->ldx, a->K, wq, rows, c + (m - mc) * NQ, k0, KB < k0 + kc ? KB : k0 + kc, &pf);
         }
 }
 
