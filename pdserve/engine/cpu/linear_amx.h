@@ -8,7 +8,7 @@
  * of w (amx.h), so a row's bits do not depend on the batch, the block or the thread split:
  * the same invariance as the vector kernels, with another (fixed) order. The zero padding
  * adds exact zeros. A block is 32 rows x 32 columns (four C tiles, two A and two B tiles per
- * k step); see amx_tile for the order of blocks.
+ * k step); see amx_panel for the order of blocks.
  *
  * amx_linear_silu is the gate-up projection of a SwiGLU MLP with the activation applied as it
  * stores: panel q of the gate (columns 32q ..) and panel q + I / 32 of the up projection
@@ -227,7 +227,8 @@ static void amx_row_range(const void *args, int64_t c_begin, int64_t c_end) {
 
 /* Splits a's rows among nthreads where there are two or more chunks (amx_chunk_rows) per
  * thread: each thread keeps its chunk's activations in its own L2, as one thread does, and
- * reads the weight once per chunk. Else it splits the panels: each thread reads its share of
+ * reads the weight once per chunk (and where there are too few panels for the threads, in
+ * chunks made small enough for two a thread). Else it splits the panels: each thread reads its share of
  * the weight once per chunk, where a row split would have each read all of it (the weight
  * comes from DRAM once per forward in a prefill, and with a few hundred rows that read is what
  * a row split would double). A row's bits are the same either way (amx.h). Two threads on a
@@ -237,6 +238,10 @@ static void amx_row_range(const void *args, int64_t c_begin, int64_t c_end) {
  * chunks (2026-12-07). */
 static void amx_split(amx_args *a, int64_t nthreads) {
     if (a->M * a->N * a->K < (1 << 18)) nthreads = 1;
+    if (nthreads > 1 && (a->M + a->mc - 1) / a->mc < 2 * nthreads && a->panels < 2 * nthreads && a->M >= 2 * nthreads * MB) {
+        /* too few panels to share (a narrow output): rows in smaller chunks, two a thread */
+        a->mc = ((a->M + 2 * nthreads - 1) / (2 * nthreads) + MB - 1) / MB * MB;
+    }
     if (nthreads > 1 && (a->M + a->mc - 1) / a->mc >= 2 * nthreads) {
         parallel_ranges(amx_row_range, a, (a->M + a->mc - 1) / a->mc, 1, nthreads);
         return;
