@@ -122,6 +122,9 @@ def test_a_prefill_replica_killed_mid_request_is_retried_on_the_other(cluster, m
     wait_for_two_running()
 
 
+STREAM_TOKENS = 120  # long enough that the streams still run when a fault lands: at 40 a fast machine finished them before a killed replica died
+
+
 def stream_through(cluster, model, fault, seed: int, with_choices: bool = False) -> None:
     """Stream 4 requests, call ``fault()`` once each has 5 tokens, then check every stream
     equals the reference and at least one migrated. ``with_choices``: a fifth, seeded, of
@@ -130,11 +133,11 @@ def stream_through(cluster, model, fault, seed: int, with_choices: bool = False)
     prompts = [prompt(i + seed, 30 + 5 * i) for i in range(4)]
     got: list[list[int]] = [[] for _ in prompts]
     started = [threading.Event() for _ in prompts]
-    sampled = dict(prompt_token_ids=prompt(seed + 9, 40), max_tokens=40, temperature=1.0, seed=seed, ignore_eos=True, timeout_s=300)
+    sampled = dict(prompt_token_ids=prompt(seed + 9, 40), max_tokens=STREAM_TOKENS, temperature=1.0, seed=seed, ignore_eos=True, timeout_s=300)
     choices: dict[int, list[int]] = {0: [], 1: [], 2: []}
 
     def read(i: int):
-        for chunk in cluster.stream(prompt_token_ids=prompts[i], max_tokens=40, ignore_eos=True, timeout_s=300):
+        for chunk in cluster.stream(prompt_token_ids=prompts[i], max_tokens=STREAM_TOKENS, ignore_eos=True, timeout_s=300):
             got[i].extend(chunk.token_ids)
             if len(got[i]) >= 5:
                 started[i].set()
@@ -157,7 +160,7 @@ def stream_through(cluster, model, fault, seed: int, with_choices: bool = False)
     for t in threads:
         t.join(300)
     for p, tokens in zip(prompts, got):
-        assert tokens == reference_generate(model, p, 40, ignore_eos=True)
+        assert tokens == reference_generate(model, p, STREAM_TOKENS, ignore_eos=True)
     if with_choices:
         assert choices == {i: cluster.generate(**{**sampled, "seed": seed + i}).token_ids for i in range(3)}
     assert router_stats()["num_migrations"] > before
