@@ -293,7 +293,8 @@ def test_down_drains_then_stops(cluster):
     assert down.returncode == 0, down.stderr[-3000:]
     counts = re.search(rf"Drained 1 router replica\(s\): of (\d+) requests in flight, (\d+) finished within {DRAIN_S} s and 4 ended with an error", down.stderr)
     # the short streams still running when the drain began finished during it (on a slow host all three
-    # may have ended before it began: each one's whole answer is checked above either way)
-    assert counts and 0 <= int(counts[2]) <= 3 and int(counts[1]) == int(counts[2]) + 4, down.stderr
+    # may have ended before it began: each one's whole answer is checked above either way), and so may
+    # one of the loop's one-token probes, in flight as the drain began
+    assert counts and 0 <= int(counts[2]) <= 4 and int(counts[1]) == int(counts[2]) + 4, down.stderr
     assert "pdserve is down." in down.stdout
     client.close()
