@@ -494,12 +494,19 @@ static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
     amx_attn_work w = amx_attn_carve(mem, QB * (a->heads / a->kv_heads), a->D);
     const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     amx_configure(rows);
+    /* the range's units a KV head at a time, so that the query blocks of one prompt and head
+     * follow each other and reuse the tiles staged for them (amx_attn_work.staged) */
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(end - begin)), n = 0;
+    if (!order) amx_attn_out_of_memory();
+    for (int64_t g = 0; g < a->kv_heads; g++)
+        for (int64_t i = begin; i < end; i++)
+            if (unit_at(a, i) % a->kv_heads == g) order[n++] = unit_at(a, i);
     int ok = 1;
-    for (int64_t i = begin; i < end && ok; i++) {
-        int64_t unit = unit_at(a, i), b = unit / a->kv_heads, g = unit % a->kv_heads;
+    for (int64_t i = 0; i < n && ok; i++) {
+        int64_t unit = order[i], b = unit / a->kv_heads, g = unit % a->kv_heads;
         w.next_table = 0;
-        if (i + 1 < end) { /* where its first keys are, to ask for them ahead */
-            int64_t nu = unit_at(a, i + 1), nb = nu / a->kv_heads, t0 = a->blocks[nb];
+        if (i + 1 < n) { /* where its first keys are, to ask for them ahead */
+            int64_t nu = order[i + 1], nb = nu / a->kv_heads, t0 = a->blocks[nb];
             w.next_table = a->tables + (int64_t)a->token_seq[t0] * a->max_blocks;
             w.next_vh = (const uint16_t *)a->v + (nu % a->kv_heads) * a->kv_head_stride;
             w.next_last = a->positions[a->blocks[nb + 1] - 1];
@@ -507,6 +514,7 @@ static int attend_range_amx(const attn_args *a, int64_t begin, int64_t end) {
         ok = attend_unit_amx(a, a->blocks[b], a->blocks[b + 1], g, &w) == 0;
     }
     _tile_release();
+    free(order);
     free(w.tile_mem);
     free(mem);
     if (!ok) amx_attn_out_of_memory();
