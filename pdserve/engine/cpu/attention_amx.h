@@ -260,7 +260,7 @@ static void amx_stage_tiles(const attn_args *a, const int32_t *table, const uint
         for (int dd = 0; dd < 16; dd++) idx[2 * dd] = (uint16_t)(16 * h + dd), idx[2 * dd + 1] = (uint16_t)(32 + 16 * h + dd);
         pair_idx[h] = _mm512_loadu_si512(idx);
     }
-    if (ahead || w->staged_table != table || w->staged_vh != vh)
+    if (w->staged_table && (ahead || w->staged_table != table || w->staged_vh != vh)) /* with none kept, every tile is -1 already */
         for (int64_t jt = 0; jt < w->tiles; jt++) w->staged[jt] = -1;
     w->staged_table = ahead ? 0 : table, w->staged_vh = ahead ? 0 : vh;
     for (int64_t jt = 0; jt < ntiles; jt++) {
